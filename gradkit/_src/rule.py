@@ -1,0 +1,136 @@
+"""Rule: one gradient override, a frozen value; OpView: what a rule sees."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, overload
+
+from gradkit._src.errors import GradkitError
+
+Mode = Literal["vjp", "jvp"]
+
+
+@dataclasses.dataclass(frozen=True)
+class OpView:
+    """Read-only view of one matched operation, handed to a rule.
+
+    Attributes:
+      name: the name the table matched (``"sqrt"``, a named op's name, a
+        custom function's name).
+      inputs: the operation's inputs, a tuple. For a primitive, one array per
+        operand; for a named op, its positional arguments (pytrees).
+      outputs: the operation's outputs, a tuple (one entry for a single output).
+      params: the primitive's static parameters (e.g. ``axes`` of
+        ``reduce_sum``); for a named op, its keyword arguments.
+      source: the user's source line that created the operation.
+    """
+
+    name: str
+    inputs: tuple[Any, ...]
+    outputs: tuple[Any, ...]
+    params: Mapping[str, Any]
+    source: str = "unknown source line"
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One gradient override.
+
+    Build it with :func:`vjp_rule` or :func:`jvp_rule` rather than directly.
+
+    Attributes:
+      fn: ``fn(op, g) -> cotangents`` (``mode="vjp"``) or
+        ``fn(op, tangents) -> output tangents`` (``mode="jvp"``).
+      mode: ``"vjp"`` (reverse mode only) or ``"jvp"`` (forward mode; reverse
+        mode by JAX's transposition, so ``fn`` must be linear in the tangents).
+      name: shown in error messages; defaults to ``fn``'s qualified name.
+      key: what the rule's fingerprint is made of. Library rules use
+        ``(rule name, parameters)`` so equal configs fingerprint equally.
+    """
+
+    fn: Callable[..., Any]
+    mode: Mode = "vjp"
+    name: str = ""
+    key: tuple[Any, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not callable(self.fn):
+            raise GradkitError(
+                f"rule {self.name or '<unnamed>'}: expected a callable `fn(op, g)`, got "
+                f"{type(self.fn).__name__}. Pass a function to gk.vjp_rule / gk.jvp_rule.")
+        if self.mode not in ("vjp", "jvp"):
+            raise GradkitError(f"rule {self.name or _qualname(self.fn)}: mode must be 'vjp' or 'jvp', got {self.mode!r}.")
+        if not self.name:
+            object.__setattr__(self, "name", _qualname(self.fn))
+        if not self.key:
+            object.__setattr__(self, "key", ("fn", _qualname(self.fn), id(self.fn)))
+
+    def __call__(self, op: OpView, x: Any) -> Any:
+        return self.fn(op, x)
+
+
+def _qualname(fn: Any) -> str:
+    module = getattr(fn, "__module__", None) or ""
+    qual = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+    return f"{module}.{qual}" if module and module != "builtins" else qual
+
+
+@overload
+def vjp_rule(fn: Callable[[OpView, Any], Any], *, name: str | None = None) -> Rule: ...
+@overload
+def vjp_rule(fn: None = None, *, name: str | None = None) -> Callable[[Callable[[OpView, Any], Any]], Rule]: ...
+
+
+def vjp_rule(fn=None, *, name=None):
+    """Makes a reverse-mode rule: ``fn(op, g)`` returns one cotangent per input.
+
+    ``g`` is the cotangent of the output (a tuple for several outputs; ``None``
+    for an integer output). Return a tuple with one entry per input in
+    ``op.inputs`` (a bare value is accepted when there is one input). ``None``
+    anywhere means "no gradient" (zeros); integer inputs need nothing.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, gradkit as gk
+      >>> safe_sqrt = gk.vjp_rule(
+      ...     lambda op, g: (jnp.where(g == 0, 0.0, g * 0.5 / op.outputs[0]),))
+      >>> f = gk.override(lambda x: jnp.where(x > 0, jnp.sqrt(x), 0.0), {"sqrt": safe_sqrt})
+      >>> float(jax.grad(f)(0.0))
+      0.0
+    """
+    if fn is None:
+        return lambda f: vjp_rule(f, name=name)
+    return Rule(fn=fn, mode="vjp", name=name or "")
+
+
+@overload
+def jvp_rule(fn: Callable[[OpView, Any], Any], *, name: str | None = None) -> Rule: ...
+@overload
+def jvp_rule(fn: None = None, *, name: str | None = None) -> Callable[[Callable[[OpView, Any], Any]], Rule]: ...
+
+
+def jvp_rule(fn=None, *, name=None):
+    """Makes a forward-mode rule: ``fn(op, tangents)`` returns the output tangents.
+
+    ``tangents`` has one entry per input in ``op.inputs`` (``None`` for inputs
+    with no tangent, such as integers and constants). The result must be linear
+    in ``tangents``: reverse mode (``grad``) is obtained by transposing it, and
+    forward mode, ``jacfwd`` and ``hessian`` work through the op.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, gradkit as gk
+      >>> # d sqrt(x) = dx / (2 sqrt(x)), but 0 where sqrt(x) == 0
+      >>> rule = gk.jvp_rule(lambda op, t: jnp.where(
+      ...     op.outputs[0] == 0, 0.0, t[0] * 0.5 / op.outputs[0]))
+      >>> f = gk.override(jnp.sqrt, {"sqrt": rule})
+      >>> float(jax.jacfwd(f)(0.0)), float(jax.grad(f)(4.0))
+      (0.0, 0.25)
+    """
+    if fn is None:
+        return lambda f: jvp_rule(f, name=name)
+    return Rule(fn=fn, mode="jvp", name=name or "")
+
+
+def freeze_params(params: Mapping[str, Any]) -> Mapping[str, Any]:
+    return types.MappingProxyType(dict(params))
