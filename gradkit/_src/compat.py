@@ -138,10 +138,9 @@ def eqn_name(eqn: JaxprEqn) -> str:
     """The name a rule table matches: primitive, named op, or custom function."""
     prim = eqn.primitive.name
     if prim in ("jit", "pjit"):
-        name = eqn.params.get("name", "")
-        if name.startswith(NAMED_OP_PREFIX):
-            return name
-        return prim
+        # A jitted function matches by its function name (``jax.nn.softplus``
+        # is ``jit[name=softplus]``); gradkit named ops carry NAMED_OP_PREFIX.
+        return eqn.params.get("name") or prim
     if prim in CUSTOM_DERIVATIVE_PRIMITIVES:
         fn_name = custom_function_name(eqn)
         return fn_name or prim

@@ -185,6 +185,8 @@ def apply_rule(rule: Rule, eqn: Any, name: str, invals: list[Any]) -> list[Any]:
     def primal(*dyn: Any) -> list[Any]:
         return compat.bind(eqn, full(dyn))
 
+    primal.__name__ = primal.__qualname__ = f"gradkit_rule[{name}]"
+
     if rule.mode == "vjp":
         fn = jax.custom_vjp(primal)
 
