@@ -160,7 +160,7 @@ def _output_struct(eqn: Any, inst: Any, flat: Sequence[Any]) -> Any:
     """Flat per-output values in the shape the rule sees (bare value for one output)."""
     if inst is not None:
         return inst.outputs(list(flat))
-    return tuple(flat) if eqn.primitive.multiple_results else flat[0]
+    return flat[0] if len(flat) == 1 else tuple(flat)
 
 
 def _as_tuple(eqn: Any, inst: Any, outs: Sequence[Any]) -> tuple[Any, ...]:
