@@ -206,3 +206,14 @@ def float0_zeros(shape: tuple[int, ...]) -> Any:
     import numpy as np
 
     return np.zeros(shape, dtype=jax.dtypes.float0)
+
+
+def rule_registries_snapshot() -> dict[str, dict[Any, Any]]:
+    """Copies of JAX's global differentiation rule dicts (to check nobody changed them)."""
+    from jax._src.interpreters import ad, batching
+
+    return {
+        "primitive_jvps": dict(ad.primitive_jvps),
+        "primitive_transposes": dict(ad.primitive_transposes),
+        "primitive_batchers": dict(getattr(batching, "fancy_primitive_batchers", {})),
+    }
