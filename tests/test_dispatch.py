@@ -36,17 +36,15 @@ def test_forward_is_bit_identical(fn, maybe_jit):
 
 @pytest.mark.parametrize("fn", PROGRAMS)
 def test_empty_table_gives_plain_gradients_bit_for_bit(fn, maybe_jit):
-    # Eagerly, override runs its forward compiled, like jax.jit: compare with that.
-    ref = maybe_jit(jax.grad(jax.jit(fn)))(X)
-    np.testing.assert_array_equal(maybe_jit(jax.grad(gk.override(fn, {})))(X), ref)
-    np.testing.assert_array_equal(jax.jit(jax.grad(gk.override(fn, {})))(X), jax.jit(jax.grad(fn))(X))
+    # Under a transform the rewritten program is inlined into the caller's trace,
+    # so eager and jitted gradients both equal plain JAX's bit for bit.
+    np.testing.assert_array_equal(maybe_jit(jax.grad(gk.override(fn, {})))(X), maybe_jit(jax.grad(fn))(X))
 
 
 def test_unmatched_table_gives_plain_gradients_bit_for_bit(maybe_jit):
     table = gk.RuleTable({"cosh": SAFE_SQRT, "erf_inv": SAFE_SQRT})
     for fn in PROGRAMS:
-        ref = maybe_jit(jax.grad(jax.jit(fn)))(X)
-        np.testing.assert_array_equal(maybe_jit(jax.grad(gk.override(fn, table)))(X), ref)
+        np.testing.assert_array_equal(maybe_jit(jax.grad(gk.override(fn, table)))(X), maybe_jit(jax.grad(fn))(X))
 
 
 def test_no_global_jax_state_changes():

@@ -134,8 +134,7 @@ def test_vjp(program, maybe_jit):
     f, ref = _pair(program, "vjp")
     y, pull = jax.vjp(maybe_jit(f), X)
     y_ref, pull_ref = jax.vjp(maybe_jit(ref), X)
-    np.testing.assert_array_equal(y, jax.jit(ref)(X))  # override runs compiled, like jax.jit
-    np.testing.assert_allclose(y, y_ref, rtol=1e-6)
+    np.testing.assert_array_equal(y, y_ref)
     _close(pull(jnp.float32(1.5)), pull_ref(jnp.float32(1.5)))
 
 

@@ -231,7 +231,8 @@ def apply_rule(rule: Rule, eqn: Any, name: str, invals: list[Any]) -> list[Any]:
 
 @dataclasses.dataclass
 class _Entry:
-    run: Callable[..., Any]
+    inline: Callable[..., Any]  # evaluates the rewritten program into the caller's trace
+    run: Callable[..., Any]  # the same, compiled: for eager calls
     out_tree: Any
     matched: frozenset[str]
 
@@ -281,7 +282,11 @@ class Overridden:
                 return self._run_uncached(treedef, dyn_pos, statics, dyn)
             with self._lock:
                 self._cache.setdefault(key, entry)
-        return jax.tree_util.tree_unflatten(entry.out_tree, entry.run(*dyn))
+        # Under an outer trace (jit, grad, vmap, ...) the program is inlined into
+        # it; an eager call runs it compiled.
+        traced = any(isinstance(x, compat.Tracer) for x in dyn)
+        out = entry.inline(*dyn) if traced else entry.run(*dyn)
+        return jax.tree_util.tree_unflatten(entry.out_tree, out)
 
     def _flat_fn(self, treedef: Any, dyn_pos: tuple[int, ...], statics: tuple[Any, ...],
                  out_box: list[Any]) -> Callable[..., Any]:
@@ -314,11 +319,14 @@ class Overridden:
         if self._strict:
             _check_strict(self._fn, self._table, present)
         if not matched:
-            run = jax.jit(lambda *xs: compat.eval_jaxpr(closed, xs))
+            def inline(*xs: Any) -> list[Any]:
+                return compat.eval_jaxpr(closed, xs)
         else:
             rewriter = Rewriter(self._table, scanner)
-            run = jax.jit(lambda *xs: rewriter.eval(closed.jaxpr, closed.consts, xs))
-        return _Entry(run=run, out_tree=out_tree, matched=frozenset(matched))
+
+            def inline(*xs: Any) -> list[Any]:
+                return rewriter.eval(closed.jaxpr, closed.consts, xs)
+        return _Entry(inline=inline, run=jax.jit(inline), out_tree=out_tree, matched=frozenset(matched))
 
     def _run_uncached(self, treedef: Any, dyn_pos: tuple[int, ...], statics: tuple[Any, ...],
                       dyn: Sequence[Any]) -> Any:

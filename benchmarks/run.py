@@ -1,0 +1,218 @@
+"""gradkit benchmark runner: ratios against a baseline measured in the same process.
+
+    python benchmarks/run.py            # full run, prints a table, writes benchmarks/results.json
+    python benchmarks/run.py --quick    # small sizes, few repeats (CI keeps the suite from rotting)
+
+Every row is a ratio (gradkit / baseline), never an absolute time: these
+machines are shared and noisy. Timings are medians of interleaved repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import gradkit as gk  # noqa: E402
+from gradkit._src import compat  # noqa: E402
+
+
+def _block(x: Any) -> Any:
+    return jax.tree_util.tree_map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, x)
+
+
+def interleaved(fns: dict[str, Callable[[], Any]], repeats: int, inner: int = 1) -> dict[str, float]:
+    """Median seconds per call of each fn, alternating between them to share the noise."""
+    for f in fns.values():
+        _block(f())
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                out = f()
+            _block(out)
+            times[k].append((time.perf_counter() - t0) / inner)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _once(f: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    _block(f())
+    return time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------- workloads
+
+IDENT = gk.vjp_rule(lambda op, g: (g * jax.nn.sigmoid(op.inputs[0]),), name="sigmoid_grad")
+
+
+@gk.op("log1pexp")
+def log1pexp(x):
+    return jnp.log1p(jnp.exp(x))
+
+
+@jax.custom_vjp
+def log1pexp_hand(x):
+    return jnp.log1p(jnp.exp(x))
+
+
+log1pexp_hand.defvjp(lambda x: (jnp.log1p(jnp.exp(x)), x), lambda x, g: (g * jax.nn.sigmoid(x),))
+
+
+def row_elementwise(quick: bool) -> list[dict[str, Any]]:
+    n = 100_000 if quick else 1_000_000
+    x = jnp.linspace(-50, 50, n, dtype=jnp.float32)
+    ours = jax.jit(jax.grad(gk.override(lambda x: jnp.sum(log1pexp(x)), {"log1pexp": IDENT})))
+    hand = jax.jit(jax.grad(lambda x: jnp.sum(log1pexp_hand(x))))
+    np.testing.assert_allclose(ours(x), hand(x), rtol=1e-6)
+    t = interleaved({"ours": lambda: ours(x), "hand": lambda: hand(x)}, 5 if quick else 41, 3 if quick else 10)
+    ops_ours = _hlo_ops(ours, x)
+    ops_hand = _hlo_ops(hand, x)
+    return [
+        _row(f"elementwise log1pexp grad, {n:.0e} f32", "hand custom_vjp", t["ours"] / t["hand"], 1.02),
+        _row("  optimized HLO op count", "hand custom_vjp", ops_ours / ops_hand, 1.0, fmt="ops"),
+    ]
+
+
+def _hlo_ops(jitted: Any, *args: Any) -> int:
+    text = jitted.lower(*args).compile().as_text()
+    return sum(1 for line in text.splitlines() if " = " in line and not line.lstrip().startswith(("ROOT tuple", "//")))
+
+
+def row_scan(quick: bool) -> list[dict[str, Any]]:
+    steps = 50 if quick else 200
+    w = jnp.eye(64, dtype=jnp.float32) * 0.5
+    xs = jnp.ones((steps, 64), jnp.float32) * 0.1
+
+    def model(act):
+        def f(h0):
+            h, _ = jax.lax.scan(lambda h, x: (act(h @ w + x), None), h0, xs)
+            return jnp.sum(h)
+        return f
+
+    ours = jax.jit(jax.grad(gk.override(model(log1pexp), {"log1pexp": IDENT})))
+    hand = jax.jit(jax.grad(model(log1pexp_hand)))
+    h0 = jnp.zeros(64, jnp.float32)
+    np.testing.assert_allclose(ours(h0), hand(h0), rtol=1e-5)
+    t = interleaved({"ours": lambda: ours(h0), "hand": lambda: hand(h0)}, 5 if quick else 41, 3 if quick else 10)
+    return [_row(f"scanned RNN grad, {steps} steps", "hand custom_vjp", t["ours"] / t["hand"], 1.02)]
+
+
+def row_vmapped(quick: bool) -> list[dict[str, Any]]:
+    b = 64 if quick else 256
+    x = jax.random.normal(jax.random.key(0), (b, 128), jnp.float32)
+    w = jax.random.normal(jax.random.key(1), (128,), jnp.float32)
+
+    def loss(act):
+        return lambda w, x: jnp.sum(act(x * w))
+
+    ours = jax.jit(jax.vmap(jax.grad(gk.override(loss(log1pexp), {"log1pexp": IDENT})), in_axes=(None, 0)))
+    hand = jax.jit(jax.vmap(jax.grad(loss(log1pexp_hand)), in_axes=(None, 0)))
+    np.testing.assert_allclose(ours(w, x), hand(w, x), rtol=1e-5)
+    t = interleaved({"ours": lambda: ours(w, x), "hand": lambda: hand(w, x)}, 5 if quick else 41, 3 if quick else 10)
+    return [_row(f"per-example grads, vmap over {b}", "hand custom_vjp", t["ours"] / t["hand"], 1.02)]
+
+
+def _chain(n: int) -> Callable[[Any], Any]:
+    def f(x):
+        for i in range(n):
+            x = jnp.sin(x) if i % 10 == 0 else x * 1.0001
+        return x
+    return f
+
+
+def row_tracing(quick: bool) -> list[dict[str, Any]]:
+    rows = []
+    sizes = [1000, 3000] if quick else [1000, 10_000, 100_000]
+    rule = gk.vjp_rule(lambda op, g: (g,))
+    x = jnp.ones(4, jnp.float32)
+    ours_t = []
+    for n in sizes:
+        # Fresh functions each time: JAX caches make_jaxpr per function object.
+        reps = 1 if n > 10_000 else 3
+        base = min(_once(lambda: jax.make_jaxpr(_chain(n))(x)) for _ in range(reps))
+        ours = min(_once(lambda: gk.override(_chain(n), {"sin": rule}).rewritten_jaxpr(x)) for _ in range(reps))
+        ours_t.append(ours)
+        rows.append(_row(f"trace+rewrite, {n} eqns (10% matched)", "jax.make_jaxpr", ours / base,
+                         1.5 if n >= 10_000 else None))
+    slope = np.polyfit(np.log(sizes), np.log(ours_t), 1)[0]
+    rows.append(_row(f"  growth exponent over {sizes[0]}..{sizes[-1]} eqns", "linear = 1.0", slope, 1.1, fmt="exp"))
+    # First call (trace + compile) of the jitted gradient.
+    n = 300 if quick else 2000
+    plain_first = min(_once(lambda: jax.jit(jax.grad(lambda x: jnp.sum(_chain(n)(x))))(x)) for _ in range(3))
+    ours_first = min(_once(lambda: jax.jit(jax.grad(gk.override(lambda x: jnp.sum(_chain(n)(x)), {"sin": rule})))(x))
+                     for _ in range(3))
+    rows.append(_row("first call (trace+compile) of jit(grad)", "plain jax", ours_first / plain_first, 1.3))
+    return rows
+
+
+def row_table_size(quick: bool) -> list[dict[str, Any]]:
+    rule = gk.vjp_rule(lambda op, g: (g,))
+    small = gk.RuleTable({f"no_op_{i}": rule for i in range(10)} | {"sin": rule})
+    big = gk.RuleTable({f"no_op_{i}": rule for i in range(10_000)} | {"sin": rule})
+    n = 500 if quick else 3000
+    x = jnp.ones(4, jnp.float32)
+    t = interleaved({"big": lambda: gk.override(_chain(n), big).rewritten_jaxpr(x),
+                     "small": lambda: gk.override(_chain(n), small).rewritten_jaxpr(x)}, 3 if quick else 9)
+    return [_row("trace with 10,000-rule table", "10-rule table", t["big"] / t["small"], 1.05)]
+
+
+def row_eager_calls(quick: bool) -> list[dict[str, Any]]:
+    x = jnp.linspace(-3, 3, 1000, dtype=jnp.float32)
+    fn = lambda x: jnp.sum(log1pexp(x) * 2.0)
+    calls = []
+
+    def counted(x):
+        calls.append(1)
+        return fn(x)
+
+    ours = gk.override(counted, {"log1pexp": IDENT})
+    plain = jax.jit(fn)
+    t = interleaved({"ours": lambda: ours(x), "plain": lambda: plain(x)}, 7 if quick else 41, 20 if quick else 200)
+    assert len(calls) == 1, "override re-traced on a repeated call"
+    return [_row("repeated eager call (traces: 1)", "jax.jit(f)", t["ours"] / t["plain"], 1.1)]
+
+
+def _row(name: str, baseline: str, ratio: float, target: float | None, fmt: str = "ratio") -> dict[str, Any]:
+    ok = None if target is None else bool(ratio <= target)
+    return {"workload": name, "baseline": baseline, "ratio": float(ratio), "target": target, "pass": ok, "fmt": fmt}
+
+
+ROWS = [row_elementwise, row_scan, row_vmapped, row_tracing, row_table_size, row_eager_calls]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small sizes and few repeats (CI smoke run)")
+    p.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results.json"))
+    args = p.parse_args(argv)
+    rows: list[dict[str, Any]] = []
+    for make in ROWS:
+        rows.extend(make(args.quick))
+    print(f"gradkit benchmarks (jax {jax.__version__}, {jax.devices()[0].platform}, "
+          f"{'quick' if args.quick else 'full'}; ratios = gradkit / baseline, same process)")
+    print(f"{'workload':48} {'baseline':18} {'ratio':>8} {'target':>8}  result")
+    for r in rows:
+        target = "" if r["target"] is None else f"<= {r['target']:.2f}"
+        verdict = "" if r["pass"] is None else ("pass" if r["pass"] else "MISS")
+        print(f"{r['workload']:48} {r['baseline']:18} {r['ratio']:8.3f} {target:>8}  {verdict}")
+    with open(args.json, "w") as fh:
+        json.dump({"jax": jax.__version__, "platform": jax.devices()[0].platform, "quick": args.quick,
+                   "jax_version_tuple": compat.JAX_VERSION, "rows": rows}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
