@@ -189,8 +189,13 @@ def test_float64_gradient_for_float32_forward_is_cast_back(x64, maybe_jit):
     assert g.dtype == jnp.float32  # the parameter's dtype, not promoted
     np.testing.assert_array_equal(g, [2.0, 2.0])
     # and the other way round: a float32 gradient for a float64 argument
-    g64 = maybe_jit(jax.grad(lambda v: jnp.sum(bar(v, jnp.float32(3.0)))))(jnp.array([1.0, 2.0]))
+    @custom_gradient
+    def half(x):
+        return x / 2, lambda g: (g / 2).astype(jnp.float32)
+
+    g64 = maybe_jit(jax.grad(lambda v: jnp.sum(half(v))))(jnp.array([1.0, 2.0]))
     assert g64.dtype == jnp.float64
+    np.testing.assert_array_equal(g64, [0.5, 0.5])
 
 
 # --------------------------------------------------------------------------- structure

@@ -99,8 +99,34 @@ def sharded_inputs(s, x):
     return jnp.sum(s(x) ** 2)
 
 
-PROGRAMS = [plain, nested_jit, scan, fori, while_loop, cond, switch, checkpoint, shard_map, sharded_inputs]
+@jax.custom_jvp
+def user_cube(x):
+    return jnp.sin(x) * 0.0 + x ** 3  # the body's sin must not be overridden: the user's rule wins
+
+
+user_cube.defjvp(lambda p, t: (user_cube(p[0]), 3.0 * p[0] ** 2 * t[0]))
+
+
+@jax.custom_vjp
+def user_scale(x):
+    return jnp.sin(x) * 0.0 + 2.0 * x
+
+
+user_scale.defvjp(lambda x: (user_scale(x), None), lambda _, g: (2.0 * g,))
+
+
+def custom_jvp_fn(s, x):
+    return jnp.sum(s(user_cube(x)) + user_cube(s(x)))
+
+
+def custom_vjp_fn(s, x):
+    return jnp.sum(s(user_scale(x)) * user_scale(s(x)))
+
+
+PROGRAMS = [plain, nested_jit, scan, fori, while_loop, cond, switch, checkpoint, custom_jvp_fn, custom_vjp_fn,
+            shard_map, sharded_inputs]
 REVERSE_PROGRAMS = [p for p in PROGRAMS if p is not while_loop]
+FORWARD_PROGRAMS = [p for p in PROGRAMS if p is not custom_vjp_fn]  # JAX: no forward mode through custom_vjp
 
 X = jnp.linspace(-1.5, 2.0, 8, dtype=jnp.float32)
 
@@ -150,7 +176,7 @@ def test_vmap_of_grad(program, maybe_jit):
 # --------------------------------------------------------------------------- forward mode (JVP rules)
 
 
-@pytest.mark.parametrize("program", PROGRAMS, ids=lambda p: p.__name__)
+@pytest.mark.parametrize("program", FORWARD_PROGRAMS, ids=lambda p: p.__name__)
 def test_jvp_and_jacfwd(program, maybe_jit):
     f, ref = _pair(program, "jvp")
     t = jnp.ones_like(X)
@@ -158,7 +184,7 @@ def test_jvp_and_jacfwd(program, maybe_jit):
     _close(maybe_jit(jax.jacfwd(f))(X), maybe_jit(jax.jacfwd(ref))(X))
 
 
-@pytest.mark.parametrize("program", [plain, nested_jit, scan, fori, cond, switch, checkpoint],
+@pytest.mark.parametrize("program", [plain, nested_jit, scan, fori, cond, switch, checkpoint, custom_jvp_fn],
                          ids=lambda p: p.__name__)
 def test_hessian(program, maybe_jit):
     f, ref = _pair(program, "jvp")
