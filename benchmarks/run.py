@@ -185,12 +185,101 @@ def row_eager_calls(quick: bool) -> list[dict[str, Any]]:
     return [_row("repeated eager call (traces: 1)", "jax.jit(f)", t["ours"] / t["plain"], 1.1)]
 
 
+def _mlp_problem(batch: int, width: int, depth: int) -> tuple[Any, Any, Any]:
+    keys = jax.random.split(jax.random.key(0), depth + 2)
+    dims = [32] + [width] * depth + [1]
+    params = [{"w": jax.random.normal(k, (a, b), jnp.float32) / np.sqrt(a), "b": jnp.zeros((b,), jnp.float32)}
+              for k, a, b in zip(keys, dims[:-1], dims[1:])]
+    x = jax.random.normal(keys[-1], (batch, 32), jnp.float32)
+    y = (x[:, 0] > 0).astype(jnp.float32)
+    return params, x, y
+
+
+def _mlp_loss(act: Callable[[Any], Any]) -> Callable[..., Any]:
+    def loss(params, x, y):
+        h = x
+        for layer in params[:-1]:
+            h = act(h @ layer["w"] + layer["b"][None, :])
+        logits = (h @ params[-1]["w"] + params[-1]["b"][None, :])[:, 0]
+        return jnp.mean(act(logits) - y * logits)
+    return loss
+
+
+def row_mlp(quick: bool) -> list[dict[str, Any]]:
+    import optax
+
+    batch, width, depth = (64, 128, 2) if quick else (256, 512, 4)
+    params, x, y = _mlp_problem(batch, width, depth)
+    opt = optax.sgd(1e-3, momentum=0.9)
+
+    def make_step(loss):
+        @jax.jit
+        def step(params, state):
+            l, g = jax.value_and_grad(loss)(params, x, y)
+            updates, state = opt.update(g, state, params)
+            return optax.apply_updates(params, updates), state, l
+        return step
+
+    table = gk.RuleTable({"log1pexp": IDENT})
+    try:  # the library tables, when present
+        table = gk.tables.SAFE | gk.tables.STABLE | table  # type: ignore[attr-defined]
+    except AttributeError:
+        pass
+    ours = make_step(gk.override(_mlp_loss(log1pexp), table))
+    hand = make_step(_mlp_loss(log1pexp_hand))
+    state = opt.init(params)
+    np.testing.assert_allclose(ours(params, state)[2], hand(params, state)[2], rtol=1e-5)
+    t = interleaved({"ours": lambda: ours(params, state), "hand": lambda: hand(params, state)},
+                    5 if quick else 31, 3 if quick else 10)
+    rows = [_row(f"MLP train step {depth}x{width}, batch {batch}", "hand custom_vjp", t["ours"] / t["hand"], 1.02)]
+    rows.extend(_torch_row(quick, params, x, y, t["ours"]))
+    return rows
+
+
+def _torch_row(quick: bool, params: Any, x: Any, y: Any, ours_s: float) -> list[dict[str, Any]]:
+    try:
+        import torch
+    except ImportError:
+        return []  # PyTorch not installed: the row is left out
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+
+    class Log1pExp(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return torch.log1p(torch.exp(x))
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return g * torch.sigmoid(x)
+
+    tp = [{k: torch.tensor(np.asarray(v), requires_grad=True) for k, v in layer.items()} for layer in params]
+    tx, ty = torch.tensor(np.asarray(x)), torch.tensor(np.asarray(y))
+    opt = torch.optim.SGD([t for layer in tp for t in layer.values()], lr=1e-3, momentum=0.9)
+
+    def step():
+        opt.zero_grad()
+        h = tx
+        for layer in tp[:-1]:
+            h = Log1pExp.apply(h @ layer["w"] + layer["b"])
+        logits = (h @ tp[-1]["w"] + tp[-1]["b"])[:, 0]
+        loss = torch.mean(Log1pExp.apply(logits) - ty * logits)
+        loss.backward()
+        opt.step()
+        return loss
+
+    t = interleaved({"torch": step}, 5 if quick else 31, 3 if quick else 10)
+    return [_row(f"  same step, PyTorch {torch.__version__} autograd.Function", "PyTorch (CPU)",
+                 ours_s / t["torch"], None)]
+
+
 def _row(name: str, baseline: str, ratio: float, target: float | None, fmt: str = "ratio") -> dict[str, Any]:
     ok = None if target is None else bool(ratio <= target)
     return {"workload": name, "baseline": baseline, "ratio": float(ratio), "target": target, "pass": ok, "fmt": fmt}
 
 
-ROWS = [row_elementwise, row_scan, row_vmapped, row_tracing, row_table_size, row_eager_calls]
+ROWS = [row_elementwise, row_mlp, row_scan, row_vmapped, row_tracing, row_table_size, row_eager_calls]
 
 
 def main(argv: list[str] | None = None) -> int:
