@@ -6,6 +6,8 @@ under ``gradkit._src`` is private.
 """
 
 from gradkit._src.compat import register_source_exclusion as _register_source_exclusion
+from gradkit._src.custom_gradient import custom_gradient as custom_gradient
+from gradkit._src.custom_gradient import custom_jvp as custom_jvp
 from gradkit._src.dispatch import override as override
 from gradkit._src.errors import GradkitError as GradkitError
 from gradkit._src.named import op as op
@@ -24,6 +26,8 @@ __all__ = [
     "OpView",
     "Rule",
     "RuleTable",
+    "custom_gradient",
+    "custom_jvp",
     "jvp_rule",
     "op",
     "override",

@@ -9,15 +9,21 @@ computes the derivative (``grad_fn(*upstream)`` for reverse mode,
                                    └─▶ jax.custom_vjp  (mode="vjp")
                                        jax.custom_jvp  (mode="both", custom_jvp)
 
-* The derivative rule runs ``fn`` once more for the closure and traces the
-  closure to a jaxpr over abstract upstream (or tangent) values. Every traced
-  value the closure captures becomes an explicit input of that jaxpr (closure
-  conversion), carried as a residual; nothing leaks, under jit, vmap, scan,
-  remat or another derivative.
+* When the named op is traced, ``fn`` is traced twice to jaxprs: once for
+  the outputs, once for the closure, which is itself traced over abstract
+  upstream (or tangent) values. Every tracer either captures (forward
+  intermediates, values of an enclosing jit/vmap/scan) becomes an explicit
+  input: the closure's captures are the residuals, the function's are extra
+  operands of the custom_vjp/custom_jvp. Nothing JAX traces lazily closes
+  over a tracer, so nothing leaks and nothing trips JAX's "No constant
+  handler for type ...Tracer" (custom_vjp/custom_jvp inside jit closing over
+  outer tracers). Captured operands that get differentiated are an error:
+  the closure only defines derivatives for the arguments.
+* An exception in the closure (e.g. a grad_fn that raises on purpose) is
+  kept and raised when the function is differentiated, not on a forward call.
 * The rule's primal output is computed by calling the custom function again,
   so the custom derivative applies at every order (``grad(grad(g ∘ f))``);
-  everything is traced inside one ``jit``, where XLA merges the duplicate
-  forward computation.
+  XLA merges the duplicate forward computation.
 * ``mode="both"`` derives forward mode from ``grad_fn`` by
   ``jax.linear_transpose``: ``grad_fn`` is the linear map ``v ↦ Jᵀv``, and its
   transpose ``t ↦ Jt`` is the JVP. It needs ``grad_fn`` to be linear in the
@@ -44,6 +50,8 @@ import numpy as np
 from gradkit._src import compat, named
 from gradkit._src.errors import GradkitError, describe
 from gradkit._src.rule import OpView, Rule
+
+SymbolicZero = jax.custom_derivatives.SymbolicZero
 
 F = TypeVar("F", bound=Callable[..., Any])
 Mode = Literal["vjp", "both"]
@@ -142,9 +150,6 @@ class _Fn:
             return f"`{var}[{i - len(pos)}]`"
         return f"argument {i}"
 
-    def arg_names(self, n: int) -> str:
-        return ", ".join(self.arg_name(i) for i in range(n))
-
     def split(self, result: Any) -> tuple[Any, Callable[..., Any]]:
         """``(outputs, closure)`` from what ``fn`` returned: ``(out, f)`` or ``(o1, o2, ..., f)``."""
         if isinstance(result, (tuple, list)) and len(result) >= 2:
@@ -162,11 +167,15 @@ class _Fn:
         except GradkitError:
             raise
         except Exception as e:
-            raise GradkitError(
-                f"{self.where}: its {self.closure} raised {type(e).__name__}: {e}\n{self.closure} is called "
-                f"with one {what} per {'input' if self.kind == 'jvp' else 'output'}, traced (abstract) values: "
-                "use jnp.where / lax.cond rather than Python `if` on their values.") from e
-        if (isinstance(result, tuple) and len(result) == 2 and callable(result[1])
+            per = "positional argument" if self.kind == "jvp" else "output"
+            if isinstance(e, jax.errors.ConcretizationTypeError):
+                hint = (f"{self.closure} is traced with abstract {what}s: use jnp.where / lax.cond rather than "
+                        "Python `if` on their values.")
+            else:
+                hint = (f"{self.closure} gets one {what} per {per}; it is None for "
+                        f"{'static arguments and integer leaves' if self.kind == 'jvp' else 'integer outputs'}.")
+            raise GradkitError(f"{self.where}: its {self.closure} raised {type(e).__name__}: {e}\n{hint}") from e
+        if (self.kind != "jvp" and isinstance(result, tuple) and len(result) == 2 and callable(result[1])
                 and not _is_array(result[1])):
             raise GradkitError(
                 f"{self.where}: its {self.closure} returned `(gradients, grad_grad_fn)`, TensorFlow's nested "
@@ -400,116 +409,147 @@ def _zero_tangent(x: Any) -> Any:
     return np.zeros(x.shape, dtype=jax.dtypes.float0)
 
 
-# --------------------------------------------------------------------------- reverse mode (custom_vjp)
+def _is_zero(t: Any) -> bool:
+    """A symbolic zero, a float0 tangent or None: no tangent/cotangent at all."""
+    return t is None or isinstance(t, SymbolicZero) or getattr(t, "dtype", None) == jax.dtypes.float0
+
+
+def _struct(x: Any) -> jax.ShapeDtypeStruct:
+    aval = jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
+
+
+# --------------------------------------------------------------------------- closure conversion
+#
+# Nothing that JAX traces lazily (a custom_vjp's fwd, a custom_jvp's rule) may
+# close over a tracer: when that trace happens, inside the transformation of
+# the named op's ``jit``, a captured tracer of an enclosing jit/vmap/grad is
+# foreign and JAX fails with "No constant handler for type ...Tracer" (JAX's
+# custom_vjp/custom_jvp inside jit, closing over outer tracers). So the user's
+# function and its closure are traced to jaxprs when the named op is traced,
+# and every tracer they capture is passed explicitly.
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class _BackwardStatic:
-    """The traced grad_fn: its jaxpr and the constants that are not residuals."""
+class _JaxprFn:
+    """A traced function whose captured tracers were hoisted out: call it with them, then the inputs."""
 
     jaxpr: Any
     slots: tuple[int, ...]
     fixed: tuple[Any, ...]
-    mask: tuple[bool, ...]
-    float_out: tuple[bool, ...]
+
+    @classmethod
+    def trace(cls, fn: Callable[..., Sequence[Any]], structs: Sequence[Any]) -> tuple[_JaxprFn, list[Any]]:
+        closed = compat.trace(fn, list(structs))
+        consts = list(closed.consts)
+        slots = tuple(i for i, c in enumerate(consts) if isinstance(c, compat.Tracer))
+        fixed = tuple(None if i in slots else c for i, c in enumerate(consts))
+        return cls(closed.jaxpr, slots, fixed), [consts[i] for i in slots]
+
+    def __call__(self, captured: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+        consts = list(self.fixed)
+        for i, c in zip(self.slots, captured):
+            consts[i] = c
+        return list(compat.eval_jaxpr(compat.ClosedJaxpr(self.jaxpr, consts), list(args)))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _ClosureStatic:
+    """grad_fn / jvp_fn traced over its float inputs; which inputs it takes, which outputs are not None."""
+
+    fn: _JaxprFn
+    in_mask: tuple[bool, ...]
+    out_mask: tuple[bool, ...]
 
 
 @jax.tree_util.register_pytree_node_class
-class _Backward:
-    """Residuals of the forward pass: grad_fn closure-converted (its jaxpr is static, its captures are leaves)."""
+class _Closure:
+    """A closure-converted grad_fn / jvp_fn: static jaxpr, captured values as pytree leaves (residuals)."""
 
-    def __init__(self, static: _BackwardStatic, consts: Sequence[Any]):
+    def __init__(self, static: _ClosureStatic, captured: Sequence[Any]):
         self.static = static
-        self.consts = list(consts)
+        self.captured = list(captured)
 
-    def tree_flatten(self) -> tuple[list[Any], _BackwardStatic]:
-        return self.consts, self.static
+    def tree_flatten(self) -> tuple[list[Any], _ClosureStatic]:
+        return self.captured, self.static
 
     @classmethod
-    def tree_unflatten(cls, static: _BackwardStatic, consts: Sequence[Any]) -> _Backward:
-        return cls(static, consts)
+    def tree_unflatten(cls, static: _ClosureStatic, captured: Sequence[Any]) -> _Closure:
+        return cls(static, captured)
 
-    def __call__(self, cts: Sequence[Any]) -> tuple[Any, ...]:
-        s = self.static
-        consts = list(s.fixed)
-        for i, c in zip(s.slots, self.consts):
-            consts[i] = c
-        float_cts = [c for c, keep in zip(cts, s.float_out) if keep]
-        vals = iter(compat.eval_jaxpr(compat.ClosedJaxpr(s.jaxpr, consts), float_cts))
-        return tuple(next(vals) if m else None for m in s.mask)
+    def linear(self, *float_inputs: Any) -> tuple[Any, ...]:
+        """The non-None outputs, as a function of the float inputs (what jax.linear_transpose needs)."""
+        return tuple(self.static.fn(self.captured, float_inputs))
+
+    def __call__(self, inputs: Sequence[Any]) -> list[Any]:
+        """One output (or None) per out_mask entry from one input per in_mask entry."""
+        vals = iter(self.linear(*[x for x, keep in zip(inputs, self.static.in_mask) if keep]))
+        return [next(vals) if m else None for m in self.static.out_mask]
 
 
-def _linear_grad_fn(sig: _Signature, closure: Callable[..., Any], dyn: Sequence[Any], outputs: Any,
-                    out: Sequence[Any]) -> tuple[Callable[..., Any], list[jax.ShapeDtypeStruct],
-                                                 tuple[bool, ...], list[tuple[bool, ...]]]:
-    """grad_fn as a flat function of the float output cotangents, returning the non-None gradients."""
-    float_out = tuple(_inexact(o.dtype) for o in out)
-    structs = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o, keep in zip(out, float_out) if keep]
-    multi = _is_multi(outputs)
+def _close(fn: Callable[..., list[Any]], structs: Sequence[Any], in_mask: tuple[bool, ...]) -> _Closure:
+    """Traces ``fn`` (float inputs -> list with None entries) and hoists what it captured."""
     mask_box: list[tuple[bool, ...]] = []
 
-    def flat_grad(*float_cts: Any) -> tuple[Any, ...]:
+    def nonzero(*xs: Any) -> list[Any]:
+        outs = fn(*xs)
+        mask_box.append(tuple(o is not None for o in outs))
+        return [o for o in outs if o is not None]
+
+    jfn, captured = _JaxprFn.trace(nonzero, structs)
+    return _Closure(_ClosureStatic(jfn, in_mask, mask_box[-1]), captured)
+
+
+def _close_grad_fn(sig: _Signature, grad_fn: Callable[..., Any], dyn: Sequence[Any], outputs: Any,
+                   out: Sequence[Any]) -> _Closure:
+    """grad_fn as a function of the float output cotangents, one gradient (or None) per dynamic leaf."""
+    float_out = tuple(_inexact(o.dtype) for o in out)
+    multi = _is_multi(outputs)
+
+    def flat(*float_cts: Any) -> list[Any]:
         it = iter(float_cts)
-        cts = [next(it) if keep else None for keep in float_out]
-        grads = _gradients(sig, closure, dyn, cts, multi)
-        mask_box.append(tuple(g is not None for g in grads))
-        return tuple(g for g in grads if g is not None)
+        return _gradients(sig, grad_fn, dyn, [next(it) if keep else None for keep in float_out], multi)
 
-    return flat_grad, structs, float_out, mask_box
+    structs = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o, keep in zip(out, float_out) if keep]
+    return _close(flat, structs, float_out)
 
 
-def _close_backward(sig: _Signature, closure: Callable[..., Any], dyn: Sequence[Any], outputs: Any,
-                    out: Sequence[Any]) -> _Backward:
-    flat_grad, structs, float_out, mask_box = _linear_grad_fn(sig, closure, dyn, outputs, out)
-    closed = compat.trace(flat_grad, structs)
-    consts = list(closed.consts)
-    # Every array the closure captured (forward intermediates are tracers here)
-    # becomes a residual; NumPy constants stay in the static part.
-    slots = tuple(i for i, c in enumerate(consts) if isinstance(c, (jax.Array, compat.Tracer)))
-    fixed = tuple(None if i in slots else c for i, c in enumerate(consts))
-    static = _BackwardStatic(closed.jaxpr, slots, fixed, mask_box[-1], float_out)
-    return _Backward(static, [consts[i] for i in slots])
+def _close_jvp_fn(sig: _Signature, jvp_fn: Callable[..., Any], dyn: Sequence[Any], outputs: Any,
+                  out: Sequence[Any]) -> _Closure:
+    """jvp_fn as a function of the float input tangents, one tangent (or None) per output leaf."""
+    float_in = tuple(_inexact(jnp.result_type(x)) for x in dyn)
+
+    def flat(*float_ts: Any) -> list[Any]:
+        it = iter(float_ts)
+        ts = [next(it) if keep else None for keep in float_in]
+        result = sig.info.call_closure(jvp_fn, _user_tangents(sig, ts), "tangent")
+        return _tangents_out(sig, result, outputs, out)
+
+    structs = [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x, keep in zip(dyn, float_in) if keep]
+    return _close(flat, structs, float_in)
 
 
-def _vjp_function(sig: _Signature) -> Callable[..., list[Any]]:
-    def primal(*dyn: Any) -> list[Any]:
-        return sig.run(dyn)[2]
-
-    primal.__name__ = primal.__qualname__ = f"{sig.info.decorator}[{sig.info.name}]"
-    prim = jax.custom_vjp(primal)
-
-    def fwd(*dyn: Any) -> tuple[list[Any], _Backward]:
-        out = prim(*dyn)  # the custom function again: its rule holds at the next order too
-        outputs, grad_fn, _ = sig.run(dyn)  # for grad_fn's closure (XLA merges the duplicate forward)
-        return out, _close_backward(sig, grad_fn, dyn, outputs, out)
-
-    def bwd(res: _Backward, cts: Sequence[Any]) -> tuple[Any, ...]:
-        return res(cts)
-
-    prim.defvjp(fwd, bwd)
-    return prim
+def _user_tangents(sig: _Signature, tangents: Sequence[Any]) -> tuple[Any, ...]:
+    """Tangents structured like the positional arguments; None for static and integer leaves."""
+    leaves: list[Any] = [None] * len(sig.static_leaves)
+    for pos, t in zip(sig.dyn_positions, tangents):
+        leaves[pos] = None if _is_zero(t) else t
+    return tuple(jax.tree_util.tree_unflatten(sig.in_tree, leaves))
 
 
-# --------------------------------------------------------------------------- forward mode (custom_jvp)
-
-
-def _transposed_tangents(sig: _Signature, grad_fn: Callable[..., Any], dyn: Sequence[Any], outputs: Any,
-                         out: Sequence[Any], tangents: Sequence[Any]) -> list[Any]:
+def _transposed(where: str, closure: _Closure, dyn: Sequence[Any], out: Sequence[Any],
+                tangents: Sequence[Any]) -> list[Any]:
     """Output tangents ``J t`` from grad_fn (``v ↦ Jᵀ v``) by linear transposition."""
-    info = sig.info
-    flat_grad, structs, float_out, mask_box = _linear_grad_fn(sig, grad_fn, dyn, outputs, out)
+    float_out = closure.static.in_mask
+    structs = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o, keep in zip(out, float_out) if keep]
     t_float: Sequence[Any] = ()
     if structs:
+        t_in = tuple(_as_tangent(t, x) for t, x, m in zip(tangents, dyn, closure.static.out_mask) if m)
         try:
-            transpose = jax.linear_transpose(flat_grad, *structs)
-            mask = mask_box[-1]
-            t_in = tuple(_as_tangent(t, x) for t, x, m in zip(tangents, dyn, mask) if m)
-            t_float = transpose(t_in)
-        except GradkitError:
-            raise
+            t_float = jax.linear_transpose(closure.linear, *structs)(t_in)
         except Exception as e:
             raise GradkitError(
-                f"{info.where} has mode='both', which gets forward mode by transposing grad_fn; that needs "
+                f"{where} has mode='both', which gets forward mode by transposing grad_fn; that needs "
                 f"grad_fn to be linear in its upstream values, and transposing it failed ({type(e).__name__}: "
                 f"{e}). Keep grad_fn linear in upstream (no clipping or branching on upstream values), or use "
                 "mode='vjp' (reverse mode only), or write the derivative with gk.custom_jvp.") from e
@@ -519,39 +559,145 @@ def _transposed_tangents(sig: _Signature, grad_fn: Callable[..., Any], dyn: Sequ
 
 def _as_tangent(t: Any, x: Any) -> Any:
     dtype = jnp.result_type(x)
-    if t is None or getattr(t, "dtype", None) == jax.dtypes.float0:
+    if _is_zero(t):
         return jnp.zeros(np.shape(x), dtype)
     return jnp.asarray(t).astype(dtype)
 
 
-def _user_tangents(sig: _Signature, tangents: Sequence[Any], dyn: Sequence[Any]) -> tuple[Any, ...]:
-    """Tangents structured like the positional arguments; None for static and integer leaves."""
-    leaves: list[Any] = [None] * len(sig.static_leaves)
-    for pos, t, x in zip(sig.dyn_positions, tangents, dyn):
-        usable = t is not None and getattr(t, "dtype", None) != jax.dtypes.float0
-        leaves[pos] = t if usable and _inexact(jnp.result_type(x)) else None
-    return tuple(jax.tree_util.tree_unflatten(sig.in_tree, leaves))
+# --------------------------------------------------------------------------- the traced op
 
 
-def _jvp_function(sig: _Signature) -> Callable[..., list[Any]]:
-    def primal(*dyn: Any) -> list[Any]:
-        return sig.run(dyn)[2]
+def _strip_tracebacks(e: BaseException) -> BaseException:
+    """Drops the frames an exception holds (they hold tracers), keeping its message and chain."""
+    seen: set[int] = set()
+    x: BaseException | None = e
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        x.__traceback__ = None
+        x = x.__cause__ or x.__context__
+    return e
 
-    primal.__name__ = primal.__qualname__ = f"{sig.info.decorator}[{sig.info.name}]"
-    prim = jax.custom_jvp(primal)
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Plan:
+    """The user's function traced once, for one trace of the named op.
+
+    Static: holds jaxprs and no tracer (the custom_vjp / custom_jvp functions
+    keep it alive inside the program, so it must not keep the trace's values).
+    The op is called with (dynamic leaves, captured by primal, captured by residuals).
+    """
+
+    where: str
+    kind: _Kind
+    n_dyn: int
+    n_primal: int
+    n_residual: int
+    primal: _JaxprFn
+    residuals: _JaxprFn | None  # dyn -> what the closure captured (None: see `error`)
+    closure: _ClosureStatic | None
+    error: BaseException | None  # raised when differentiated, not on a forward-only call
+
+    @classmethod
+    def of(cls, sig: _Signature, dyn: Sequence[Any]) -> tuple[_Plan, list[Any]]:
+        """The plan and the tracers to pass after the dynamic leaves."""
+        structs = [_struct(x) for x in dyn]
+        primal, cap_p = _JaxprFn.trace(lambda *d: sig.run(d)[2], structs)
+        box: list[_ClosureStatic] = []
+
+        def residuals(*d: Any) -> list[Any]:
+            outputs, closure, out = sig.run(d)
+            make = _close_jvp_fn if sig.info.kind == "jvp" else _close_grad_fn
+            converted = make(sig, closure, d, outputs, out)
+            box.append(converted.static)
+            return converted.captured
+
+        res_fn: _JaxprFn | None = None
+        cap_r: list[Any] = []
+        error: BaseException | None = None
+        try:
+            res_fn, cap_r = _JaxprFn.trace(residuals, structs)
+        except Exception as e:  # e.g. a grad_fn that raises on purpose: only differentiation fails
+            error = _strip_tracebacks(e)
+        plan = cls(sig.info.where, sig.info.kind, len(dyn), len(cap_p), len(cap_r), primal, res_fn,
+                   box[-1] if res_fn is not None else None, error)
+        return plan, [*cap_p, *cap_r]
+
+    @property
+    def n_captured(self) -> int:
+        return self.n_primal + self.n_residual
+
+    def split(self, args: Sequence[Any]) -> tuple[list[Any], list[Any], list[Any]]:
+        args = list(args)
+        n, n_p = self.n_dyn, self.n_primal
+        return args[:n], args[n:n + n_p], args[n + n_p:]
+
+    def check(self, perturbed: Sequence[bool]) -> None:
+        if self.error is not None:
+            raise self.error
+        if any(perturbed[self.n_dyn:]):
+            closure = "jvp_fn" if self.kind == "jvp" else "grad_fn"
+            raise GradkitError(
+                f"{self.where} closes over a traced value that is being differentiated (a value computed "
+                f"outside the function, not passed as an argument). Its {closure} only defines derivatives "
+                "for the function's arguments: pass that value as an argument (and give its gradient), or "
+                "wrap it in jax.lax.stop_gradient if it needs none.")
+
+    def run_primal(self, *args: Any) -> list[Any]:
+        dyn, cap_p, _ = self.split(args)
+        return self.primal(cap_p, dyn)
+
+    def closure_at(self, args: Sequence[Any]) -> _Closure:
+        dyn, _, cap_r = self.split(args)
+        assert self.residuals is not None and self.closure is not None
+        return _Closure(self.closure, self.residuals(cap_r, dyn))
+
+
+def _custom_vjp(plan: _Plan, op_name: str) -> Callable[..., list[Any]]:
+    """The op as a jax.custom_vjp of (dynamic leaves, captured tracers)."""
+
+    def op(*args: Any) -> list[Any]:
+        return plan.run_primal(*args)
+
+    op.__name__ = op.__qualname__ = op_name
+    prim = jax.custom_vjp(op)
+
+    def fwd(*args: Any) -> tuple[list[Any], _Closure]:
+        plan.check([a.perturbed for a in args])
+        vals = [a.value for a in args]
+        out = prim(*vals)  # the custom function again: its rule holds at the next order too
+        return out, plan.closure_at(vals)
+
+    def bwd(closure: _Closure, cts: Sequence[Any]) -> tuple[Any, ...]:
+        none = [None] * plan.n_captured
+        if all(_is_zero(c) for c in cts):
+            return (*([None] * plan.n_dyn), *none)
+        cts = [jnp.zeros(c.shape, c.dtype) if isinstance(c, SymbolicZero) else c for c in cts]
+        return (*closure(cts), *none)
+
+    prim.defvjp(fwd, bwd, symbolic_zeros=True)
+    return prim
+
+
+def _custom_jvp(plan: _Plan, op_name: str) -> Callable[..., list[Any]]:
+    """The op as a jax.custom_jvp of (dynamic leaves, captured tracers)."""
+
+    def op(*args: Any) -> list[Any]:
+        return plan.run_primal(*args)
+
+    op.__name__ = op.__qualname__ = op_name
+    prim = jax.custom_jvp(op)
 
     def jvp(primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> tuple[list[Any], list[Any]]:
+        plan.check([not isinstance(t, SymbolicZero) for t in tangents])
         out = prim(*primals)  # the custom function again: its rule holds at the next order too
-        outputs, closure, _ = sig.run(primals)
-        if sig.info.kind == "both":
-            t_out = _transposed_tangents(sig, closure, primals, outputs, out, tangents)
-        else:
-            result = sig.info.call_closure(closure, _user_tangents(sig, tangents, primals), "tangent")
-            checked = _tangents_out(sig, result, outputs, out)
-            t_out = [_zero_tangent(o) if t is None else t for t, o in zip(checked, out)]
-        return out, t_out
+        closure = plan.closure_at(primals)
+        dyn, t_dyn = list(primals[:plan.n_dyn]), list(tangents[:plan.n_dyn])
+        if plan.kind == "both":
+            return out, _transposed(plan.where, closure, dyn, out, t_dyn)
+        t_out = closure([_as_tangent(t, x) for t, x in zip(t_dyn, dyn)])
+        return out, [_zero_tangent(o) if t is None else t for t, o in zip(t_out, out)]
 
-    prim.defjvp(jvp)
+    prim.defjvp(jvp, symbolic_zeros=True)
     return prim
 
 
@@ -597,10 +743,12 @@ def _make_rule(info: _Fn) -> Rule:
         t_dyn = [t_leaves[p] if _is_array(t_leaves[p]) or _is_python_number(t_leaves[p]) else None
                  for p in sig.dyn_positions]
         if info.kind == "both":
-            t_out = _transposed_tangents(sig, closure, dyn, outputs, out, t_dyn)
-            t_out = [None if not _inexact(o.dtype) else t for t, o in zip(t_out, out)]
+            converted = _close_grad_fn(sig, closure, dyn, outputs, out)
+            t_out = _transposed(info.where, converted, dyn, out, t_dyn)
+            t_out = [t if _inexact(o.dtype) else None for t, o in zip(t_out, out)]
         else:
-            result = info.call_closure(closure, _user_tangents(sig, t_dyn, dyn), "tangent")
+            t_dyn = [_as_tangent(t, x) if _inexact(jnp.result_type(x)) else None for t, x in zip(t_dyn, dyn)]
+            result = info.call_closure(closure, _user_tangents(sig, t_dyn), "tangent")
             t_out = _tangents_out(sig, result, outputs, out)
         return to_outputs(sig, outputs, t_out)
 
@@ -643,13 +791,15 @@ def _decorate(fn: Any, name: str | None, kind: _Kind) -> Any:
             with lock:
                 entry = instances.get(key)
                 if entry is None:
-                    prim = _vjp_function(sig) if kind == "vjp" else _jvp_function(sig)
-
                     def body(*call_args: Any, **_: Any) -> Any:
+                        # Runs while the named op's jit traces: the traced dynamic leaves.
                         leaves = jax.tree_util.tree_leaves(call_args)
-                        return sig.outputs(prim(*[leaves[p] for p in sig.dyn_positions]))
+                        dyn = [leaves[p] for p in sig.dyn_positions]
+                        plan, captured = _Plan.of(sig, dyn)
+                        make = _custom_vjp if kind == "vjp" else _custom_jvp
+                        prim = make(plan, f"{info.decorator}[{info.name}]")
+                        return sig.outputs(prim(*dyn, *captured))
 
-                    body.__name__ = body.__qualname__ = name
                     entry = named._make_instance(name, body, sig.in_tree, sig.dyn_positions,
                                                  sig.static_leaves, sig.kwargs)
                     instances[key] = entry
@@ -679,15 +829,23 @@ def custom_gradient(fn=None, *, name=None, mode="vjp"):
     per positional argument: a bare value for one argument, else a tuple. It
     may close over any value computed in the forward pass; those become
     residuals (closure conversion), so there is no leaked tracer under
-    ``jit``, ``vmap``, ``scan`` or ``checkpoint``.
+    ``jit``, ``vmap``, ``scan`` or ``checkpoint``. ``grad_fn`` runs only
+    when the function is differentiated (an error in it, e.g. a deliberate
+    ``raise``, does not affect forward calls).
 
     * Pytrees: an argument or output may be any pytree of arrays; its
       gradient has the same structure. ``None`` means "no gradient" (zeros)
       for any argument, any subtree or any leaf.
     * Static arguments: positional arguments that are not arrays (Python
       numbers, strings, ...) and all keyword arguments are static: usable in
-      Python control flow, part of the cache key, no gradient (what
+      Python control flow, part of the cache key (each new value traces
+      again, like a ``jax.jit`` static argument), no gradient (what
       ``grad_fn`` returns for them is ignored).
+    * Closures: the function may also close over values of an enclosing
+      ``jit``, ``vmap`` or ``scan`` (a temperature, a scale). Their
+      derivative is not defined by ``grad_fn``, so differentiating with
+      respect to such a value is a :class:`GradkitError`: pass it as an
+      argument instead.
     * Checks: a wrong number of gradients, a structure or shape that does
       not match the argument, is a :class:`GradkitError` naming the function.
       A gradient of another floating dtype (e.g. computed in float64 for a
