@@ -129,9 +129,9 @@ class RuleTable(Mapping[str, Rule]):
         """Builds a table from a TOML file with the same entries as :meth:`from_dict`.
 
         Examples:
-          >>> import tempfile, os, gradkit as gk
-          >>> p = os.path.join(tempfile.mkdtemp(), "rules.toml")
-          >>> _ = open(p, "w").write('sqrt = "safe"\\nlog = {rule = "clamped_log", eps = 1e-30}\\n')
+          >>> import pathlib, tempfile, gradkit as gk
+          >>> p = pathlib.Path(tempfile.mkdtemp()) / "rules.toml"
+          >>> _ = p.write_text('sqrt = "safe"\\nlog = {rule = "clamped_log", eps = 1e-30}\\n')
           >>> sorted(gk.RuleTable.from_toml(p))
           ['log', 'sqrt']
         """
