@@ -5,6 +5,12 @@ any pure function, inside jit, scan, while, cond, remat and vmap. Everything
 under ``gradkit._src`` is private.
 """
 
+from gradkit._src.audit import AuditReport as AuditReport
+from gradkit._src.audit import audit as audit
+from gradkit._src.check import Comparison as Comparison
+from gradkit._src.check import GradCheckReport as GradCheckReport
+from gradkit._src.check import check_grads as check_grads
+from gradkit._src.check import compare as compare
 from gradkit._src.compat import register_source_exclusion as _register_source_exclusion
 from gradkit._src.custom_gradient import custom_gradient as custom_gradient
 from gradkit._src.custom_gradient import custom_jvp as custom_jvp
@@ -17,19 +23,32 @@ from gradkit._src.rule import jvp_rule as jvp_rule
 from gradkit._src.rule import vjp_rule as vjp_rule
 from gradkit._src.table import RuleTable as RuleTable
 
+from gradkit import estimators as estimators  # noqa: E402  (the rule library)
+from gradkit import stable as stable  # noqa: E402
+from gradkit import tables as tables  # noqa: E402
+
 __version__ = "0.1.0"
 
 _register_source_exclusion()
 
 __all__ = [
+    "AuditReport",
+    "Comparison",
+    "GradCheckReport",
     "GradkitError",
     "OpView",
     "Rule",
     "RuleTable",
+    "audit",
+    "check_grads",
+    "compare",
     "custom_gradient",
     "custom_jvp",
+    "estimators",
     "jvp_rule",
     "op",
     "override",
+    "stable",
+    "tables",
     "vjp_rule",
 ]

@@ -39,8 +39,9 @@ _EPS = 1e-4  # jax.test_util's default finite-difference step
 def fn_name(fn: Any) -> str:
     """A readable name for ``fn`` (unwraps gk.override and functools.partial)."""
     inner = getattr(fn, "__wrapped__", None) or getattr(fn, "_fn", None) or fn
-    return (getattr(inner, "__qualname__", None) or getattr(inner, "__name__", None)
+    name = (getattr(inner, "__qualname__", None) or getattr(inner, "__name__", None)
             or getattr(fn, "__name__", None) or type(fn).__name__)
+    return name.split(".<locals>.")[-1]
 
 
 def arg_names(fn: Any, n: int) -> list[str]:
@@ -93,6 +94,14 @@ def flat_output(out: Any) -> jax.Array:
     return jnp.concatenate([v.astype(dtype) for v in leaves])
 
 
+def output_shape(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[int, ...]:
+    """The shape derivative labels use: the output's, if it is one array; else the flat concatenation's."""
+    leaves = [v for v in jax.tree_util.tree_leaves(jax.eval_shape(fn, *args)) if jnp.issubdtype(v.dtype, jnp.inexact)]
+    if len(leaves) == 1:
+        return tuple(leaves[0].shape)
+    return (int(sum(np.prod(v.shape, dtype=int) for v in leaves)),)
+
+
 def partial_fn(fn: Callable[..., Any], leaves: Sequence[Any], treedef: Any, i: int) -> Callable[[Any], jax.Array]:
     """``x -> flat output of fn`` with every leaf but ``i`` held at its value."""
     def h(x: Any) -> jax.Array:
@@ -112,16 +121,27 @@ def select_coords(n: int, limit: int, must: Sequence[int] = ()) -> np.ndarray:
     return np.array(sorted(list(pick) + rest[: limit - len(pick)]))
 
 
+_NOT_JITTABLE = (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError)
+
+
+def call_jit(f: Callable[..., Any], *args: Any) -> Any:
+    """``jax.jit(f)(*args)``, or ``f(*args)`` for a function that needs concrete values."""
+    try:
+        return jax.jit(f)(*args)
+    except _NOT_JITTABLE:
+        return f(*args)
+
+
 def fd_columns(h: Callable[[Any], Any], x: Any, coords: np.ndarray, eps: float) -> np.ndarray:
     """Central differences of ``h`` at ``x`` along flat coordinates ``coords``: shape (size(h(x)), len(coords))."""
     x = jnp.asarray(x)
     basis = np.zeros((len(coords), x.size), dtype=np.dtype(x.dtype))
     basis[np.arange(len(coords)), coords] = eps
     basis = jnp.asarray(basis.reshape((len(coords),) + x.shape))
-    flat_h = lambda v: jnp.ravel(h(v))
+    flat_h = lambda v: jnp.ravel(h(v))  # noqa: E731
     try:
-        plus = jax.vmap(flat_h)(x[None] + basis)
-        minus = jax.vmap(flat_h)(x[None] - basis)
+        both = call_jit(jax.vmap(flat_h), jnp.concatenate([x[None] + basis, x[None] - basis]))
+        plus, minus = both[: len(coords)], both[len(coords):]
     except Exception:  # a function that does not vmap: one call per coordinate
         plus = jnp.stack([flat_h(x + b) for b in basis])
         minus = jnp.stack([flat_h(x - b) for b in basis])
@@ -321,28 +341,46 @@ def check_grads(fn: Callable[..., Any], args: Sequence[Any], order: int = 2,
         leaves, treedef, names = leaf_names(fn, args)
         leaves = [to_f64(x) for x in leaves]
         args64 = jax.tree_util.tree_unflatten(treedef, leaves)
+        out_shape = output_shape(fn, args64)
         for i, (x, label) in enumerate(zip(leaves, names)):
             if not is_float(x):
                 continue
             x = jnp.asarray(x)
             h0 = partial_fn(fn, leaves, treedef, i)
-            out_shape = tuple(np.shape(h0(x)))
             coords = select_coords(x.size, max_coords)
             for mode in modes:
                 for k in range(1, order + 1):
                     rows.append(_check_one(h0, x, mode, k, coords, out_shape, label, atol, rtol, eps))
+        diff = [i for i, x in enumerate(leaves) if is_float(x)]
+
+        def float_fn(*d: Any) -> Any:  # integer inputs are held fixed (JAX's check cannot perturb them)
+            vals = list(leaves)
+            for i, x in zip(diff, d):
+                vals[i] = x
+            return fn(*jax.tree_util.tree_unflatten(treedef, vals))
+
         for mode in modes:
-            try:
-                jax.test_util.check_grads(fn, tuple(args64), order, modes=(mode,), atol=atol, rtol=rtol, eps=eps)
-                verdicts.append((mode, True, ""))
-            except AssertionError as e:
-                verdicts.append((mode, False, _first_lines(str(e))))
-            except Exception as e:  # e.g. forward mode through a custom_vjp
-                verdicts.append((mode, False, f"{type(e).__name__}: {_first_lines(str(e))}"))
+            verdicts.append(_jax_verdict(float_fn, tuple(leaves[i] for i in diff), order, mode, atol, rtol, eps))
     report = GradCheckReport(name, tuple(rows), tuple(verdicts), atol, rtol, eps)
     if raise_on_failure:
         report.raise_if_failed()
     return report
+
+
+def _jax_verdict(f: Callable[..., Any], args: tuple[Any, ...], order: int, mode: str, atol: float, rtol: float,
+                 eps: float) -> tuple[str, bool, str]:
+    """``(mode, passed, message)`` from :func:`jax.test_util.check_grads` (jitted when the function allows)."""
+    for g in (jax.jit(f), f):
+        try:
+            jax.test_util.check_grads(g, args, order, modes=(mode,), atol=atol, rtol=rtol, eps=eps)
+            return mode, True, ""
+        except _NOT_JITTABLE:
+            continue
+        except AssertionError as e:
+            return mode, False, _first_lines(str(e))
+        except Exception as e:  # e.g. forward mode through a custom_vjp
+            return mode, False, f"{type(e).__name__}: {_first_lines(str(e))}"
+    return mode, False, "the function could not be evaluated"
 
 
 def _first_lines(msg: str, n: int = 3) -> str:
@@ -355,7 +393,7 @@ def _check_one(h0: Callable[[Any], Any], x: jax.Array, mode: str, k: int, coords
     total = int(x.size)
     try:
         lower = _nested_jac(h0, mode, k - 1)
-        ad = np.asarray(_nested_jac(h0, mode, k)(x), dtype=np.float64)
+        ad = np.asarray(call_jit(_nested_jac(h0, mode, k), x), dtype=np.float64)
         ad = ad.reshape(-1, total)[:, coords]  # (everything before the last input axis, coords)
         fd = fd_columns(lower, x, coords, eps)
     except Exception as e:
@@ -461,8 +499,11 @@ class Comparison:
 
 def _jacobian(fn: Callable[..., Any], leaves: Sequence[Any], treedef: Any, i: int, mode: str) -> np.ndarray:
     h = partial_fn(fn, leaves, treedef, i)
-    jac = (jax.jacfwd if mode == "fwd" else jax.jacrev)(h)(jnp.asarray(leaves[i]))
-    return np.asarray(jac)
+    x = jnp.asarray(leaves[i])
+    if mode == "rev" and jax.eval_shape(h, x).shape == (1,):
+        # jax.grad, as users call it: it keeps the dtype a custom rule returns (jacrev would cast it)
+        return np.asarray(call_jit(jax.grad(lambda v: h(v)[0]), x))[None]
+    return np.asarray(call_jit((jax.jacfwd if mode == "fwd" else jax.jacrev)(h), x))
 
 
 def _ulp(ref: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -516,6 +557,7 @@ def compare(fn: Callable[..., Any], reference: Callable[..., Any] | str, args: S
     if use_fd and reference not in ("fd", "finite_differences"):
         raise GradkitError(f"compare: reference must be a function or 'fd', got {reference!r}.")
     leaves, treedef, names = leaf_names(fn, args)
+    out_shape = output_shape(fn, args)
     results = []
     for i, (x, label) in enumerate(zip(leaves, names)):
         if not is_float(x):
@@ -530,19 +572,18 @@ def compare(fn: Callable[..., Any], reference: Callable[..., Any] | str, args: S
         else:
             ref = _jacobian(reference, leaves, treedef, i, mode)
         results.append(_compare_input(label, x, custom, ref, use_fd, rtol, max_side_by_side,
-                                      reference if not use_fd else None, leaves, treedef, i))
+                                      reference if not use_fd else None, leaves, treedef, i, out_shape))
     ref_label = "float64 finite differences" if use_fd else f"autodiff of {fn_name(reference)}"
     return Comparison(fn_name(fn), ref_label, mode, tuple(results))
 
 
 def _compare_input(label: str, x: jax.Array, custom: np.ndarray, ref: np.ndarray, use_fd: bool,
                    rtol: float | None, max_side_by_side: int, reference: Any, leaves: Sequence[Any],
-                   treedef: Any, i: int) -> InputComparison:
+                   treedef: Any, i: int, out_shape: tuple[int, ...]) -> InputComparison:
     c_dtype, r_dtype = custom.dtype, ref.dtype
     c64, r64 = custom.astype(np.float64), np.asarray(ref, dtype=np.float64)
     x_np = np.asarray(x, dtype=np.float64)
     n_in = x.size
-    out_shape = c64.shape[: c64.ndim - x.ndim]
     with np.errstate(invalid="ignore", over="ignore"):
         same = (c64 == r64) | (np.isnan(c64) & np.isnan(r64))
         err = np.where(same, 0.0, np.abs(c64 - r64))
@@ -622,12 +663,13 @@ def _diagnose(label: str, x: np.ndarray, c: np.ndarray, r: np.ndarray, bad: np.n
         return causes
     elementwise = c.shape[0] == 1 or (c.shape[0] == c.shape[1] and np.all(c[~np.eye(*c.shape, dtype=bool)] == 0)
                                       and np.all(r[~np.eye(*r.shape, dtype=bool)] == 0))
+    nonzero = (r != 0) | (c != 0)
     with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = c[bad] / r[bad]
-    if (n_bad == n and ratio.size and np.all(np.isfinite(ratio))
+        ratio = c[nonzero] / r[nonzero]
+    if (ratio.size and not np.any(bad & ~nonzero) and np.all(np.isfinite(ratio)) and int(nonzero.sum()) == n_bad
             and np.ptp(ratio) <= 1e-3 * max(1.0, abs(float(np.mean(ratio))))):
-        causes.append(f"constant factor: the custom gradient is {fmt(np.mean(ratio))} × the reference on all "
-                      f"{n} elements: a missing or extra scale in the rule.")
+        causes.append(f"constant factor: the custom gradient is {fmt(np.mean(ratio))} × the reference on every "
+                      f"nonzero element ({n_bad} of {n}): a missing or extra scale in the rule.")
         return causes
     med = float(np.median(rel[bad]))
     fit = _fit_approximation(reference, leaves, treedef, i, c, r, use_fd) if elementwise and med < 0.05 else ""

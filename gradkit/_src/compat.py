@@ -1,7 +1,9 @@
 """Every access gradkit makes to JAX internals lives in this module.
 
 A JAX upgrade that moves one of these names is a change to this file only.
-Checked against jax 0.7.2 and 0.10.2 (the versions in CI).
+Checked against jax 0.8.0 and 0.10.2 (the oldest and newest supported, both in CI;
+0.7.x fails the bit-for-bit gradient invariant in eager mode: its tracing inlines
+jitted library functions such as ``jax.nn.softmax``).
 
 What gradkit relies on, and why:
 
@@ -197,9 +199,19 @@ def bind_shard_map(eqn: JaxprEqn, invals: Sequence[Any], body: Callable[..., Any
 
 
 def trace_context() -> Any:
-    """Hashable snapshot of the JAX config that changes what tracing produces."""
-    return (jax.config.jax_enable_x64, jax.config.jax_numpy_dtype_promotion,
-            jax.config.jax_default_matmul_precision, jax.config.jax_numpy_rank_promotion)
+    """Hashable snapshot of the JAX config that changes what tracing produces.
+
+    The same key ``jax.jit`` caches on (x64, dtype promotion, matmul precision,
+    PRNG implementation, the vmap axis environment, ...), so an overridden
+    function re-traces exactly when a jitted one would.
+    """
+    try:
+        from jax._src import config as _config
+
+        return _config.trace_context()
+    except (ImportError, AttributeError):  # pragma: no cover - older/newer JAX without it
+        return (jax.config.jax_enable_x64, jax.config.jax_numpy_dtype_promotion,
+                jax.config.jax_default_matmul_precision, jax.config.jax_numpy_rank_promotion)
 
 
 def float0_zeros(shape: tuple[int, ...]) -> Any:
@@ -217,3 +229,118 @@ def rule_registries_snapshot() -> dict[str, dict[Any, Any]]:
         "primitive_transposes": dict(ad.primitive_transposes),
         "primitive_batchers": dict(getattr(batching, "fancy_primitive_batchers", {})),
     }
+
+
+def source_span(eqn: JaxprEqn) -> tuple[str, int, str, int, int] | None:
+    """``(file, line, function, start column, end column)`` of the user code that created ``eqn``.
+
+    The columns (Python 3.11+, else -1) tell apart two calls on one line, e.g.
+    ``exp`` and ``log1p`` in ``jnp.log1p(jnp.exp(x))``; used by ``gk.audit`` to
+    underline the call in its report.
+    """
+    frame = _siu.user_frame(eqn.source_info.traceback)
+    if frame is None:
+        return None
+    start = getattr(frame, "start_column", -1)
+    end = getattr(frame, "end_column", -1) if getattr(frame, "end_line", frame.start_line) == frame.start_line else -1
+    return frame.file_name, frame.start_line, frame.function_name, start, end
+
+
+def library_callee(eqn: JaxprEqn) -> tuple[str, str] | None:
+    """``(file, function)`` of the library function the user's line called to create ``eqn``.
+
+    For a ``log`` made inside ``jax.nn.logsumexp`` this is ``(".../special.py",
+    "logsumexp")``: ``gk.audit`` uses it to suggest the stable replacement of
+    the function the user actually wrote. JAX's own plumbing (jit wrappers,
+    tracing) is skipped. ``None`` when no user frame is known.
+    """
+    tb = eqn.source_info.traceback
+    frames = list(tb.frames) if tb is not None else []
+    is_user = getattr(_siu, "is_user_filename", None)
+    if is_user is None:  # pragma: no cover - a JAX without it: no library attribution
+        return None
+    for i, fr in enumerate(frames):
+        if is_user(fr.file_name):
+            for inner in reversed(frames[:i]):
+                if (os.path.basename(inner.file_name) not in _PLUMBING
+                        and inner.function_name.rsplit(".", 1)[-1] not in _WRAPPERS):
+                    return inner.file_name, inner.function_name
+            return None
+    return None
+
+
+_WRAPPERS = frozenset({"wrapper", "wrapped", "inner", "memoized_fun", "cache_miss",
+                       "reraise_with_filtered_traceback", "__call__"})
+
+
+_PLUMBING = frozenset({
+    "traceback_util.py", "api.py", "pjit.py", "api_util.py", "linear_util.py", "core.py", "partial_eval.py",
+    "source_info_util.py", "dispatch.py", "custom_derivatives.py", "contextlib.py", "functools.py",
+    "interpreters.py", "ad.py", "batching.py", "util.py", "config.py", "array_methods.py", "profiler.py",
+})
+
+
+# --------------------------------------------------------------------------- primitives by name (rule library)
+
+_PRIMITIVES_BY_NAME: dict[str, Primitive] | None = None
+
+
+def primitive_by_name(name: str) -> Primitive | None:
+    """The JAX primitive called ``name`` (``"sqrt"``, ``"integer_pow"``), from ``jax.extend.core.primitives``.
+
+    The rule library uses it to compute an op's default derivative (for
+    ``scale_gradient`` / ``clip_gradient`` table rules); ``None`` if unknown.
+    """
+    global _PRIMITIVES_BY_NAME
+    if _PRIMITIVES_BY_NAME is None:
+        from jax.extend.core import primitives as _prims
+
+        _PRIMITIVES_BY_NAME = {p.name: p for p in vars(_prims).values() if isinstance(p, Primitive)}
+    return _PRIMITIVES_BY_NAME.get(name)
+
+
+def bind_primitive(primitive: Primitive, invals: Sequence[Any], params: dict[str, Any]) -> list[Any]:
+    """``primitive.bind(*invals, **params)`` with equation params converted for ``bind``; a list of outputs."""
+    subfuns, bparams = bind_params(primitive, dict(params))
+    out = primitive.bind(*subfuns, *invals, **bparams)
+    return list(out) if primitive.multiple_results else [out]
+
+
+# --------------------------------------------------------------------------- reliability helpers
+
+
+def aval_of(x: Any) -> Any:
+    """The abstract value (shape, dtype, weak_type) of an array or tracer."""
+    if hasattr(jax, "typeof"):  # jax >= 0.6
+        return jax.typeof(x)
+    return jax.core.get_aval(x)  # pragma: no cover - older JAX
+
+
+def is_weakly_typed(x: Any) -> bool:
+    """Whether ``x`` is a weakly typed JAX value (from a Python scalar): it has no dtype of its own."""
+    if not isinstance(x, (jax.Array, Tracer)):
+        return False
+    return bool(getattr(aval_of(x), "weak_type", False))
+
+
+# JAX's errors for Python control flow / conversions on a traced value.
+CONCRETIZATION_ERRORS: tuple[type[BaseException], ...] = (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerBoolConversionError,
+    jax.errors.TracerIntegerConversionError,
+    jax.errors.TracerArrayConversionError,
+)
+
+
+def is_forward_mode_of_custom_vjp_error(e: BaseException) -> bool:
+    """Whether ``e`` is JAX refusing forward mode (jvp) through a ``jax.custom_vjp`` function."""
+    msg = str(e)
+    return isinstance(e, TypeError) and "forward-mode" in msg and "custom_vjp" in msg
+
+
+def add_note(e: BaseException, note: str) -> None:
+    """Adds ``note`` to an exception's message, keeping its type (Python 3.11 notes; appended before)."""
+    if hasattr(e, "add_note"):
+        e.add_note(note)
+    elif e.args and isinstance(e.args[0], str):  # pragma: no cover - Python 3.10
+        e.args = (f"{e.args[0]}\n{note}", *e.args[1:])

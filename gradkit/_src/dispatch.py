@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar, overload
@@ -175,9 +176,16 @@ def apply_rule(rule: Rule, eqn: Any, name: str, invals: list[Any]) -> list[Any]:
     # Literal inputs are constants of the program: they are closed over, not
     # differentiated, and the rule's cotangent for them is dropped.
     dyn_pos = [i for i, a in enumerate(eqn.invars) if not compat.is_literal(a)]
+    dyn_inputs = [invals[i] for i in dyn_pos]
+    # The closures below outlive this trace (JAX keeps the custom_vjp's bwd and
+    # the custom_jvp's rule with the compiled program), so they keep only the
+    # literal inputs: holding `invals` itself would leak this trace's tracers
+    # (jax.checking_leaks() reports it).
+    literals = [None if i in dyn_pos else x for i, x in enumerate(invals)]
+    del invals
 
     def full(dyn: Sequence[Any]) -> list[Any]:
-        vals = list(invals)
+        vals = list(literals)
         for i, x in zip(dyn_pos, dyn):
             vals[i] = x
         return vals
@@ -205,7 +213,16 @@ def apply_rule(rule: Rule, eqn: Any, name: str, invals: list[Any]) -> list[Any]:
             return tuple(flat[i] for i in dyn_pos)
 
         fn.defvjp(fwd, bwd)
-        return list(fn(*[invals[i] for i in dyn_pos]))
+        try:
+            return list(fn(*dyn_inputs))
+        except TypeError as e:
+            if not compat.is_forward_mode_of_custom_vjp_error(e):
+                raise
+            raise GradkitError(
+                f"rule {rule.name} for op '{name}' at {compat.source_line(eqn)} is a VJP rule (gk.vjp_rule): it "
+                "defines reverse mode only, and forward-mode differentiation (jax.jvp, jacfwd, linearize, "
+                "hessian's outer jacfwd) reached it. Use jax.grad / jax.vjp / jacrev, or write the rule with "
+                "gk.jvp_rule, which serves both modes.") from e
 
     fn = jax.custom_jvp(primal)
 
@@ -213,17 +230,58 @@ def apply_rule(rule: Rule, eqn: Any, name: str, invals: list[Any]) -> list[Any]:
         outs = fn(*primals)  # calling fn keeps the rule in force at every order
         all_in = full(primals)
         view, inst = _view(eqn, name, all_in, outs)
-        t_all: list[Any] = [None] * len(invals)
+        t_all: list[Any] = [None] * len(literals)
         for i, t in zip(dyn_pos, tangents):
             t_all[i] = None if validate.is_float0(t) else t
         t_in = inst.args(t_all) if inst is not None else tuple(t_all)
         t_out = validate.checked_call(rule, view, t_in)
         flat = validate.align(rule, view, t_out, _as_tuple(eqn, inst, outs), "output tangent")
         flat = validate.check_all(rule, view, flat, outs, "output tangent")
+        _check_linear(rule, view, inst, t_all, outs)
         return outs, flat
 
     fn.defjvp(jvp)
-    return list(fn(*[invals[i] for i in dyn_pos]))
+    return list(fn(*dyn_inputs))
+
+
+def _check_linear(rule: Rule, view: OpView, inst: Any, t_all: list[Any], outs: Sequence[Any]) -> None:
+    """Raises if a JVP rule is not linear in its tangents.
+
+    Reverse mode transposes the rule; a nonlinear one (``t ** 2``, ``t * t``,
+    ``jnp.clip(t)``) would otherwise fail deep inside JAX's transposition with
+    "Transpose rule for 'integer_pow' not implemented" or a bare AssertionError,
+    naming neither the rule nor the op. The check is abstract (``eval_shape``):
+    it costs one more trace of the rule and no computation.
+    """
+    live = [i for i, t in enumerate(t_all) if t is not None]
+    if not live:
+        return
+    structs = [jax.ShapeDtypeStruct(np.shape(t_all[i]), jax.numpy.result_type(t_all[i])) for i in live]
+
+    def tangent_map(*ts: Any) -> list[Any]:
+        t = list(t_all)
+        for i, x in zip(live, ts):
+            t[i] = x
+        t_out = rule.fn(view, inst.args(t) if inst is not None else tuple(t))
+        flat = validate.align(rule, view, t_out, view.outputs, "output tangent")
+        return [x for x, o in zip(flat, outs) if x is not None and validate.has_tangent_space(o)]
+
+    def transpose(*ts: Any) -> Any:
+        # zeros_like of real outputs: they carry the outputs' full type (e.g.
+        # shard_map's varying manual axes), which a ShapeDtypeStruct would not.
+        cts = [jax.numpy.zeros_like(o) for o in tangent_map(*ts)]
+        return jax.linear_transpose(tangent_map, *structs)(cts)
+
+    try:
+        jax.eval_shape(transpose, *structs)
+    except GradkitError:
+        raise
+    except Exception as e:
+        raise GradkitError(
+            f"rule {rule.name} for op '{view.name}' at {view.source} is not linear in its tangents, so reverse "
+            f"mode (jax.grad, which transposes it) cannot use it: JAX says {type(e).__name__}: {e}. A JVP rule "
+            "must be linear in `tangents`: multiply them by functions of op.inputs / op.outputs, add them, "
+            "select between them with jnp.where; never t ** 2, t * t, sin(t) or clip(t).") from e
 
 
 # --------------------------------------------------------------------------- override
@@ -242,8 +300,24 @@ def _is_array(x: Any) -> bool:
 
 
 def _aval_key(x: Any) -> tuple[Any, ...]:
-    aval = jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)
+    aval = compat.aval_of(x)
     return (tuple(aval.shape), aval.dtype, getattr(aval, "weak_type", False))
+
+
+def _static_key(x: Any) -> Any:
+    """Cache key of a static (non-array) argument leaf.
+
+    Keyed by type as well as value: ``1``, ``1.0`` and ``True`` are equal in
+    Python but trace to different programs (int, float, bool arithmetic).
+    Floats are keyed by their bits, so ``-0.0`` and ``0.0`` (equal in Python,
+    different under ``1 / x``) get their own programs and every NaN hits one
+    entry (``nan != nan`` would otherwise miss the cache on every call).
+    """
+    if isinstance(x, float):
+        return (type(x), x.hex())
+    if isinstance(x, complex):
+        return (type(x), x.real.hex(), x.imag.hex())
+    return (type(x), x)
 
 
 class Overridden:
@@ -267,7 +341,8 @@ class Overridden:
         dyn_pos = tuple(i for i, x in enumerate(leaves) if _is_array(x))
         dyn = [leaves[i] for i in dyn_pos]
         statics = tuple(None if i in dyn_pos else x for i, x in enumerate(leaves))
-        key = (treedef, dyn_pos, tuple(map(_aval_key, dyn)), statics, compat.trace_context())
+        key = (treedef, dyn_pos, tuple(map(_aval_key, dyn)), tuple(map(_static_key, statics)),
+               compat.trace_context())
         try:
             entry = self._cache.get(key)
         except TypeError:
@@ -285,13 +360,26 @@ class Overridden:
         # Under an outer trace (jit, grad, vmap, ...) the program is inlined into
         # it; an eager call runs it compiled.
         traced = any(isinstance(x, compat.Tracer) for x in dyn)
-        out = entry.inline(*dyn) if traced else entry.run(*dyn)
+        try:
+            out = entry.inline(*dyn) if traced else entry.run(*dyn)
+        except TypeError as e:
+            # Forward mode reached a VJP rule inside a sub-program (scan, cond, ...),
+            # where JAX raises without naming the op (top-level ones are named in apply_rule).
+            if not compat.is_forward_mode_of_custom_vjp_error(e):
+                raise
+            vjp_ops = sorted(n for n in entry.matched if self._table[n].mode == "vjp")
+            raise GradkitError(
+                f"override({_fname(self._fn)}): forward-mode differentiation (jax.jvp, jacfwd, hessian's "
+                f"outer jacfwd, linearize) reached an op with a VJP rule ({', '.join(repr(n) for n in vjp_ops)}). "
+                "gk.vjp_rule defines reverse mode only: use jax.grad / jax.vjp / jacrev, or give these ops a "
+                "gk.jvp_rule (which serves both modes).") from e
         return jax.tree_util.tree_unflatten(entry.out_tree, out)
 
     def _flat_fn(self, treedef: Any, dyn_pos: tuple[int, ...], statics: tuple[Any, ...],
                  out_box: list[Any]) -> Callable[..., Any]:
         def flat(*dyn: Any) -> list[Any]:
-            self.trace_count += 1
+            with self._lock:
+                self.trace_count += 1
             leaves = list(statics)
             for i, x in zip(dyn_pos, dyn):
                 leaves[i] = x
@@ -299,13 +387,29 @@ class Overridden:
             out = self._fn(*args, **kwargs)
             out_leaves, out_box[0] = jax.tree_util.tree_flatten(out)
             return out_leaves
+        # JAX's messages about this trace name the user's function, not `flat`
+        # (the signature stays flat's own: `dyn[i]`, explained by _trace's note).
+        flat.__wrapped__ = self._fn  # type: ignore[attr-defined]
+        flat.__signature__ = inspect.signature(_dyn_signature)  # type: ignore[attr-defined]
         return flat
 
     def _trace(self, treedef: Any, dyn_pos: tuple[int, ...], statics: tuple[Any, ...],
                dyn: Sequence[Any]) -> tuple[Any, Any]:
         out_box: list[Any] = [None]
         structs = [jax.ShapeDtypeStruct(*_aval_key(x)[:2], weak_type=_aval_key(x)[2]) for x in dyn]
-        closed = compat.trace(self._flat_fn(treedef, dyn_pos, statics, out_box), structs)
+        try:
+            closed = compat.trace(self._flat_fn(treedef, dyn_pos, statics, out_box), structs)
+        except compat.CONCRETIZATION_ERRORS as e:
+            # JAX's error type is kept (code catching it keeps working); the note
+            # says why a function that runs eagerly fails under override.
+            names = _dyn_names(self._fn, treedef, len(statics), dyn_pos)
+            compat.add_note(e, (
+                f"[gradkit] gk.override traces {_fname(self._fn)} once per input signature, like jax.jit: its "
+                f"array arguments ({', '.join(f'dyn[{i}] is {n}' for i, n in enumerate(names))}) are abstract "
+                "there, so Python `if`/`while`/`int()`/NumPy on them fail even though the plain function runs "
+                "eagerly. Use jnp.where / lax.cond / lax.while_loop, or pass such values as Python numbers "
+                "or other non-array values, which override treats as static."))
+            raise
         return closed, out_box[0]
 
     def _build(self, treedef: Any, dyn_pos: tuple[int, ...], statics: tuple[Any, ...],
@@ -357,6 +461,34 @@ class Overridden:
 
     def __repr__(self) -> str:
         return f"<gradkit.override of {_fname(self._fn)} with {len(self._table)} rules>"
+
+
+def _dyn_signature(*dyn: Any) -> None:  # the signature JAX sees for the flat traced function
+    pass
+
+
+def _dyn_names(fn: Any, treedef: Any, n_leaves: int, dyn_pos: tuple[int, ...]) -> list[str]:
+    """The user's names for the array leaves ``dyn[i]``: ``x``, ``params['w']``, ``batch[0]``."""
+    names: dict[int, str] = {}
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    try:  # best effort: only for an error message (custom pytree nodes may reject int leaves)
+        args, kwargs = jax.tree_util.tree_unflatten(treedef, list(range(n_leaves)))
+        for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
+            head, rest = path[0].idx, path[1:]  # type: ignore[attr-defined]
+            if head == 0:
+                pos = rest[0].idx  # type: ignore[attr-defined]
+                usable = pos < len(params) and params[pos].kind in (
+                    inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                base = params[pos].name if usable else f"args[{pos}]"
+            else:
+                base = str(rest[0].key)  # type: ignore[attr-defined]
+            names[leaf] = base + jax.tree_util.keystr(tuple(rest[1:]))
+    except Exception:  # noqa: BLE001
+        pass
+    return [names.get(i, f"argument leaf {i}") for i in dyn_pos]
 
 
 def _hashable(x: Any) -> bool:

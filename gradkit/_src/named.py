@@ -103,7 +103,11 @@ def op(name: str) -> Callable[[F], F]:
                         f"named op '{name}' got an array in keyword argument `{k}`; keyword arguments of a "
                         f"named op are static. Pass arrays positionally: {name}(..., {k}).")
             try:
-                key = (in_tree, dyn_positions, static_leaves, tuple(sorted(kwargs.items())))
+                # Static values are keyed with their types: 2, 2.0 and True are equal
+                # in Python but must not share a traced program.
+                kw_leaves, kw_tree = jax.tree_util.tree_flatten(kwargs)
+                key = (in_tree, dyn_positions, tuple((type(x), x) for x in static_leaves), kw_tree,
+                       tuple(_typed(x) for x in kw_leaves))
                 hash(key)
             except TypeError as e:
                 raise GradkitError(
@@ -117,13 +121,29 @@ def op(name: str) -> Callable[[F], F]:
                         entry = _make_instance(name, fn, in_tree, dyn_positions, static_leaves, dict(kwargs))
                         jitted[key] = entry
             inst, call = entry
-            flat_out = call(*[leaves[i] for i in dyn_positions])
+            try:
+                flat_out = call(*[leaves[i] for i in dyn_positions])
+            except compat.CONCRETIZATION_ERRORS as e:
+                code = getattr(fn, "__code__", None)
+                where = f" ({code.co_filename}:{code.co_firstlineno})" if code is not None else ""
+                compat.add_note(e, (
+                    f"[gradkit] named op '{name}'{where} is traced like jax.jit (the `dyn[i]` above are its "
+                    "array and Python-number positional arguments, in order): they are abstract, so Python "
+                    "control flow on them fails. Use jnp.where / lax.cond, or pass static values as keyword "
+                    "arguments."))
+                raise
             return inst.outputs(flat_out)
 
         wrapper.gradkit_op_name = name  # type: ignore[attr-defined]
         return wrapper  # type: ignore[return-value]
 
     return decorate
+
+
+def _typed(x: Any) -> Any:
+    if isinstance(x, float):
+        return (float, x.hex())  # -0.0 and 0.0 differ; all NaNs are one key
+    return (type(x), x)
 
 
 def _make_instance(name: str, fn: Callable[..., Any], in_tree: Any, dyn_positions: tuple[int, ...],

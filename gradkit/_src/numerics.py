@@ -264,13 +264,17 @@ def sinc_derivative(k: int, x: jax.Array) -> jax.Array:
 
 def _sinc_derivative(k: int, x: jax.Array) -> jax.Array:
     a = jnp.abs(x)
-    small = a < _SINC_CUT
+    # The closed forms cancel near 0 from k = 1 on; the series cancels near the
+    # first zero of sinc at 1. Value: series only next to 0; first derivative:
+    # series on |x| < 0.5, where both are well conditioned.
+    cut = 1e-2 if k == 0 else 0.5 if k == 1 else _SINC_CUT
+    small = a < cut
     xs = jnp.where(small, x, 0.0)
     eps = _eps(x.dtype)
     coeffs = _sinc_series_coeffs(k, 80)
     n = len(coeffs)
     for i in range(1, len(coeffs)):
-        if abs(coeffs[i]) * _SINC_CUT ** (2 * i) < eps / 16 * max(abs(coeffs[0]), 1e-300):
+        if abs(coeffs[i]) * cut ** (2 * i) < eps / 16 * max(abs(coeffs[0]), 1e-300):
             n = i
             break
     z = xs * xs

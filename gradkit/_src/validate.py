@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gradkit._src import compat
 from gradkit._src.errors import GradkitError, describe
 from gradkit._src.rule import OpView, Rule
 
@@ -26,6 +27,10 @@ def has_tangent_space(x: Any) -> bool:
     if dtype is None:
         return isinstance(x, (float, complex))
     return jnp.issubdtype(dtype, jnp.inexact)
+
+
+def _a(what: str) -> str:
+    return f"an {what}" if what[:1] in "aeiou" else f"a {what}"
 
 
 def _where(rule: Rule, op: OpView) -> str:
@@ -64,6 +69,10 @@ def _align_one(rule: Rule, op: OpView, value: Any, ref: Any, what: str, where: s
     ref_leaves = jax.tree_util.tree_leaves(ref)
     if value is None:
         return [None] * len(ref_leaves)
+    if len(ref_leaves) == 1 and ref_leaves[0] is ref and not isinstance(value, (tuple, list, dict)):
+        # A single array input and no container: the value is its one leaf, and
+        # check_leaf says what is wrong with it (no tree_map over, e.g., a generator).
+        return [value]
     got: list[Any] = []
 
     def visit(v: Any, r: Any) -> None:
@@ -106,6 +115,16 @@ def check_leaf(rule: Rule, op: OpView, value: Any, primal: Any, what: str, index
     if value is None:
         return jnp.zeros(shape, dtype)
     if isinstance(value, (bool, int, float, complex)) and not isinstance(value, np.generic):
+        if isinstance(value, bool):
+            # True/False as a gradient is almost always a bug (a comparison
+            # returned by mistake); JAX would silently read it as 1.0/0.0.
+            raise GradkitError(
+                f"{_where(rule, op)} returned a Python bool as the {what} for leaf {index} "
+                f"({dtype}[{','.join(map(str, shape))}]). Return a number or an array of the input's dtype.")
+        if isinstance(value, complex) and not jnp.issubdtype(dtype, jnp.complexfloating):
+            raise GradkitError(
+                f"{_where(rule, op)} returned a Python complex as the {what} for leaf {index}, whose input is "
+                f"real ({dtype}); the imaginary part would be lost. Return a real value.")
         if shape != ():
             raise GradkitError(
                 f"{_where(rule, op)} returned a Python {type(value).__name__} as the {what} for "
@@ -120,17 +139,30 @@ def check_leaf(rule: Rule, op: OpView, value: Any, primal: Any, what: str, index
             f"array {dtype}[{','.join(map(str, shape))}] or None.")
     if tuple(vshape) != shape:
         raise GradkitError(
-            f"{_where(rule, op)} returned a {what} of shape {tuple(vshape)} for leaf {index}, "
+            f"{_where(rule, op)} returned {_a(what)} of shape {tuple(vshape)} for leaf {index}, "
             f"expected {shape} (dtype {dtype}) to match the input. Broadcast or reduce it to the input's shape.")
+    if vdtype != dtype and _weak_cast_ok(value, vdtype, dtype):
+        # A weakly typed value (e.g. jnp.asarray(0.5), or `g * 0 + 1.0` under
+        # x64) has no dtype of its own: it takes the input's, like a Python scalar.
+        return jnp.asarray(value).astype(dtype)
     if vdtype != dtype:
         raise GradkitError(
-            f"{_where(rule, op)} returned a {what} of dtype {vdtype} for leaf {index}, expected {dtype} "
+            f"{_where(rule, op)} returned {_a(what)} of dtype {vdtype} for leaf {index}, expected {dtype} "
             f"(shape {shape}). Compute it in the input's dtype or cast with .astype({dtype}).")
     return jnp.asarray(value)
 
 
 def check_all(rule: Rule, op: OpView, values: Sequence[Any], primals: Sequence[Any], what: str) -> list[Any]:
     return [check_leaf(rule, op, v, p, what, i) for i, (v, p) in enumerate(zip(values, primals))]
+
+
+def _weak_cast_ok(value: Any, vdtype: Any, dtype: Any) -> bool:
+    """Whether ``value`` is weakly typed and casting it to ``dtype`` loses no kind of information."""
+    if not compat.is_weakly_typed(value):
+        return False
+    if jnp.issubdtype(vdtype, jnp.complexfloating):
+        return bool(jnp.issubdtype(dtype, jnp.complexfloating))
+    return bool(jnp.issubdtype(vdtype, jnp.integer) or jnp.issubdtype(vdtype, jnp.floating))
 
 
 def checked_call(rule: Rule, op: OpView, arg: Any) -> Any:
@@ -140,7 +172,12 @@ def checked_call(rule: Rule, op: OpView, arg: Any) -> Any:
     except GradkitError:
         raise
     except Exception as e:
+        hint = ""
+        if isinstance(e, compat.CONCRETIZATION_ERRORS):
+            hint = (" Rules are traced, like jax.jit functions: op.inputs, op.outputs and the incoming values "
+                    "are abstract, so Python `if`, `float()` and NumPy calls on them fail. Use jnp.where, "
+                    "lax.cond or jnp functions instead.")
         raise GradkitError(
             f"{_where(rule, op)} raised {type(e).__name__}: {e}. The rule is called with "
             f"op (inputs {', '.join(describe(x) for x in jax.tree_util.tree_leaves(op.inputs))}) "
-            f"and the incoming {'cotangent' if rule.mode == 'vjp' else 'tangents'}.") from e
+            f"and the incoming {'cotangent' if rule.mode == 'vjp' else 'tangents'}.{hint}") from e

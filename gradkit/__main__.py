@@ -1,0 +1,3 @@
+from gradkit.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,582 @@
+"""The ``gradkit`` command: ``gradkit audit``, ``gradkit rules``, ``gradkit demo``.
+
+``gradkit audit FILE.py[:FUNC] …`` imports a user file and audits functions in
+it (see :func:`gradkit.audit`) at example inputs given on the command line
+(``--arg "f32[128]:uniform(-1,1)"``, one per positional parameter) or declared
+in the file (``GRADKIT_INPUTS = {"loss": (x, y)}``, or a function returning
+such a dict; values may be arrays, numbers or the same spec strings). Exit
+codes: 0 every gradient finite, 1 a finding remains, 2 bad arguments (one line
+on stderr starting with ``[gradkit]``, no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import inspect
+import json
+import os
+import re
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
+
+SPEC_HELP = (
+    "DTYPE[SHAPE][:VALUES], e.g. f32[128]:uniform(-1,1), f64[4,3]:normal(0,2), f32[]:100, "
+    "f32[3]:[0,1,2], i32[8]:randint(0,10), bool[8]:bernoulli(0.5). DTYPE is f16, bf16, f32, f64, i32, i64 "
+    "or bool; VALUES is uniform(lo,hi), normal(mean,std), linspace(lo,hi), randint(lo,hi), bernoulli(p), "
+    "zeros, ones, full(v), a number or a list (default: normal(0,1) for floats)")
+
+_DTYPES = {"f16": "float16", "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16",
+           "f32": "float32", "float32": "float32", "f64": "float64", "float64": "float64",
+           "i32": "int32", "int32": "int32", "i64": "int64", "int64": "int64", "bool": "bool"}
+_SPEC = re.compile(r"^\s*(?P<dtype>[a-z0-9]+)\s*\[(?P<shape>[^\]]*)\]\s*(?::\s*(?P<values>.+?))?\s*$")
+_CALL = re.compile(r"^(?P<name>[a-z_]+)\s*(?:\((?P<args>[^()]*)\))?$")
+
+
+class UsageError(Exception):
+    """A bad command line or input declaration: reported as one line, exit code 2."""
+
+
+# --------------------------------------------------------------------------- input specs
+
+
+def parse_spec(spec: str, rng: Any) -> Any:
+    """An example input from ``DTYPE[SHAPE][:VALUES]`` (see ``SPEC_HELP``); a NumPy array."""
+    import numpy as np
+
+    text = spec.strip()
+    if re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|[-+]?inf|nan", text):
+        return np.asarray(float(text), dtype=np.float32)
+    m = _SPEC.match(text)
+    if not m:
+        raise UsageError(f"cannot parse input spec {spec!r}: expected {SPEC_HELP}")
+    dtype_name = _DTYPES.get(m["dtype"])
+    if dtype_name is None:
+        raise UsageError(f"input spec {spec!r}: unknown dtype {m['dtype']!r} (use one of f16, bf16, f32, f64, "
+                         "i32, i64, bool)")
+    try:
+        shape = tuple(int(d) for d in m["shape"].replace(" ", "").split(",") if d != "")
+    except ValueError:
+        raise UsageError(f"input spec {spec!r}: shape [{m['shape']}] must be integers separated by commas, "
+                         "e.g. [4,3] (or [] for a scalar)") from None
+    if any(d < 0 for d in shape):
+        raise UsageError(f"input spec {spec!r}: negative dimension in shape [{m['shape']}]")
+    dtype = _np_dtype(dtype_name)
+    values = (m["values"] or "").strip()
+    size = int(np.prod(shape)) if shape else 1
+    kind = np.dtype(dtype).kind if dtype_name != "bfloat16" else "f"
+    try:
+        if not values:
+            data = (rng.normal(size=shape) if kind == "f" else rng.randint(0, 10, size=shape) if kind == "i"
+                    else rng.uniform(size=shape) > 0.5)
+        elif values.startswith("["):
+            flat = np.asarray(json.loads(values), dtype=np.float64 if kind != "b" else bool).reshape(-1)
+            if flat.size != size:
+                raise UsageError(f"input spec {spec!r}: {flat.size} values given for shape {list(shape)} "
+                                 f"({size} elements)")
+            data = flat.reshape(shape)
+        else:
+            data = _generate(values, shape, kind, rng, spec)
+    except (ValueError, json.JSONDecodeError) as e:
+        raise UsageError(f"input spec {spec!r}: cannot read values {values!r} ({e})") from None
+    return np.asarray(data).astype(dtype)
+
+
+def _np_dtype(name: str) -> Any:
+    import numpy as np
+
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.dtype(name)
+
+
+def _generate(values: str, shape: tuple[int, ...], kind: str, rng: Any, spec: str) -> Any:
+    import numpy as np
+
+    if re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|[-+]?inf|nan|true|false", values.lower()):
+        v = {"true": 1.0, "false": 0.0}.get(values.lower(), None)
+        return np.full(shape, float(values) if v is None else v)
+    m = _CALL.match(values.lower())
+    if not m:
+        raise UsageError(f"input spec {spec!r}: cannot read values {values!r}: expected {SPEC_HELP}")
+    name = m["name"]
+    args = [float(a) for a in (m["args"] or "").split(",") if a.strip()]
+    need = {"uniform": 2, "normal": 2, "linspace": 2, "randint": 2, "bernoulli": 1, "full": 1, "zeros": 0,
+            "ones": 0}
+    if name not in need:
+        raise UsageError(f"input spec {spec!r}: unknown generator {name!r} (use {', '.join(need)})")
+    if len(args) != need[name]:
+        raise UsageError(f"input spec {spec!r}: {name} takes {need[name]} argument(s), got {len(args)}")
+    size = int(np.prod(shape)) if shape else 1
+    if name == "uniform":
+        return rng.uniform(args[0], args[1], size=shape)
+    if name == "normal":
+        return rng.normal(args[0], args[1], size=shape)
+    if name == "linspace":
+        return np.linspace(args[0], args[1], size).reshape(shape)
+    if name == "randint":
+        return rng.randint(int(args[0]), int(args[1]), size=shape)
+    if name == "bernoulli":
+        return rng.uniform(size=shape) < args[0]
+    if name == "full":
+        return np.full(shape, args[0])
+    return np.zeros(shape) if name == "zeros" else np.ones(shape)
+
+
+def _materialize(value: Any, rng: Any, where: str) -> Any:
+    """An input declared in a file: arrays and numbers as they are, spec strings parsed."""
+    if isinstance(value, str):
+        try:
+            return parse_spec(value, rng)
+        except UsageError as e:
+            raise UsageError(f"{where}: {e}") from None
+    return value
+
+
+# --------------------------------------------------------------------------- loading the user's file
+
+
+def _load(path: str) -> Any:
+    if not os.path.exists(path):
+        raise UsageError(f"no such file: {path}")
+    if not path.endswith(".py") or os.path.isdir(path):
+        raise UsageError(f"{path} is not a Python file (expected FILE.py or FILE.py:FUNC)")
+    name = "_gradkit_target_" + re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise UsageError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    folder = os.path.dirname(os.path.abspath(path))
+    sys.path.insert(0, folder)
+    try:
+        spec.loader.exec_module(module)
+    except SystemExit:
+        raise UsageError(f"{path} called sys.exit() while being imported; guard its script part with "
+                         "`if __name__ == '__main__':`") from None
+    except Exception as e:
+        line = _user_line(e, path)
+        raise UsageError(f"error while importing {path}{line}: {type(e).__name__}: {_first_line(str(e))}") from None
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.path.remove(folder)
+    return module
+
+
+def _user_line(e: BaseException, path: str) -> str:
+    tb = e.__traceback__
+    line = ""
+    while tb is not None:
+        if os.path.abspath(tb.tb_frame.f_code.co_filename) == os.path.abspath(path):
+            line = f":{tb.tb_lineno}"
+        tb = tb.tb_next
+    return line
+
+
+def _first_line(msg: str) -> str:
+    lines = [ln.strip() for ln in msg.strip().splitlines() if ln.strip()]
+    return (lines[0] if lines else "")[:300]
+
+
+def _declared(module: Any, path: str) -> dict[str, Any]:
+    decl = getattr(module, "GRADKIT_INPUTS", None)
+    if callable(decl):
+        try:
+            decl = decl()
+        except Exception as e:
+            raise UsageError(f"{path}: GRADKIT_INPUTS() raised {type(e).__name__}: {_first_line(str(e))}") from None
+    if decl is None:
+        decl = {}
+    if not isinstance(decl, dict):
+        raise UsageError(f"{path}: GRADKIT_INPUTS must be a dict from function name to a tuple of inputs "
+                         f"(or a function returning one), got {type(decl).__name__}")
+    out = dict(decl)
+    for name, obj in vars(module).items():
+        if callable(obj) and hasattr(obj, "gradkit_inputs") and name not in out:
+            out[name] = obj.gradkit_inputs
+    return out
+
+
+def _targets(args: argparse.Namespace) -> list[tuple[str, Callable[..., Any], tuple[Any, ...]]]:
+    """(label, function, inputs) for every requested target."""
+    import numpy as np
+
+    rng = np.random.RandomState(args.seed)
+    plan: list[tuple[str, Any, str | None]] = []
+    for target in args.targets:
+        path, _, func = target.partition(":") if not re.match(r"^[A-Za-z]:\\", target) else (target, "", "")
+        if ":" in func:
+            raise UsageError(f"cannot read target {target!r}: expected FILE.py or FILE.py:FUNC")
+        plan.append((target, path, func or None))
+    if args.arg and (len(plan) != 1 or plan[0][2] is None):
+        raise UsageError("--arg gives the inputs of one function: name it as FILE.py:FUNC (one target)")
+    for _, path, _ in plan:  # fail fast on missing files before importing anything heavy
+        if not os.path.exists(path):
+            raise UsageError(f"no such file: {path}")
+    out = []
+    modules: dict[str, Any] = {}
+    for target, path, func in plan:
+        module = modules.get(path) or _load(path)
+        modules[path] = module
+        declared = _declared(module, path)
+        names = [func] if func else list(declared)
+        if not names:
+            raise UsageError(f"{path} declares no inputs to audit: name a function (gradkit audit {path}:FUNC "
+                             "--arg SPEC …) or declare GRADKIT_INPUTS = {'func': (x, ...)} in the file")
+        for name in names:
+            fn = getattr(module, name, None)
+            if fn is None or not callable(fn):
+                funcs = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_")
+                               and not n.isupper() and getattr(v, "__module__", None) == module.__name__)
+                hint = f" (functions: {', '.join(funcs)})" if funcs else ""
+                raise UsageError(f"{path} has no function {name!r}{hint}")
+            if args.arg:
+                inputs = tuple(parse_spec(s, rng) for s in args.arg)
+                _check_arity(fn, len(inputs), name)
+            elif name in declared:
+                decl = declared[name]
+                if callable(decl):
+                    decl = decl()
+                if not isinstance(decl, (tuple, list)):
+                    decl = (decl,)
+                inputs = tuple(_materialize(v, rng, f"{path}: GRADKIT_INPUTS[{name!r}]") for v in decl)
+            else:
+                params = _params(fn)
+                raise UsageError(f"no inputs for {name}: give --arg SPEC once per parameter ({', '.join(params)}), "
+                                 f"e.g. --arg 'f32[128]:uniform(-1,1)', or declare GRADKIT_INPUTS in {path}")
+            out.append((f"{path}:{name}", fn, inputs))
+    return out
+
+
+def _params(fn: Any) -> list[str]:
+    try:
+        return [p.name for p in inspect.signature(fn).parameters.values()
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
+    except (TypeError, ValueError):
+        return []
+
+
+def _check_arity(fn: Any, n: int, name: str) -> None:
+    try:
+        sig = inspect.signature(fn)
+        sig.bind(*range(n))
+    except TypeError:
+        params = _params(fn)
+        raise UsageError(f"{name} takes {len(params)} input(s) ({', '.join(params)}) but {n} --arg given") from None
+    except ValueError:
+        pass
+
+
+def _table(spec: str | None) -> tuple[Any, str]:
+    if spec is None:
+        return None, ""
+    from gradkit._src.table import RuleTable
+
+    if spec.endswith(".toml"):
+        if not os.path.exists(spec):
+            raise UsageError(f"no such table file: {spec}")
+        from gradkit._src.errors import GradkitError
+
+        try:
+            return RuleTable.from_toml(spec), spec
+        except GradkitError as e:
+            raise UsageError(str(e).removeprefix("[gradkit] ")) from None
+    tables = _library_tables()
+    key = spec.removeprefix("gradkit.tables.").removeprefix("tables.")
+    if key not in tables:
+        known = ", ".join(tables) or "none (gradkit.tables is not importable)"
+        raise UsageError(f"unknown table {spec!r}: give a name from gradkit.tables ({known}) or a .toml file")
+    return tables[key], f"gradkit.tables.{key}"
+
+
+def _library_tables() -> dict[str, Any]:
+    try:
+        from gradkit import tables
+    except Exception:
+        return {}
+    from gradkit._src.table import RuleTable
+
+    return {n: v for n, v in vars(tables).items() if isinstance(v, RuleTable) and not n.startswith("_")}
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def _progress_printer(label: str) -> Callable[[int, int, str], None]:
+    tty = sys.stderr.isatty()
+    state = {"last": -1}
+
+    def show(done: int, total: int, what: str) -> None:
+        if tty:
+            end = "\n" if done >= total else ""
+            sys.stderr.write(f"\r[gradkit] sweep {label}: {done}/{total} probes {what[:50]:<50}{end}")
+            sys.stderr.flush()
+            return
+        pct = 100 * done // max(total, 1)
+        step = pct // 25
+        if step != state["last"]:
+            state["last"] = step
+            sys.stderr.write(f"[gradkit] sweep {label}: {done}/{total} probes\n")
+            sys.stderr.flush()
+    return show
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    targets = _targets(args)
+    table, table_name = _table(args.table)
+    from gradkit._src.audit import audit
+    from gradkit._src.errors import GradkitError
+
+    reports: list[Any] = []
+    errors: list[tuple[str, str]] = []
+    tty = sys.stderr.isatty() and not args.json
+    for k, (label, fn, inputs) in enumerate(targets):
+        name = label.rsplit(":", 1)[-1]
+        if tty:
+            sys.stderr.write(f"\r[gradkit] auditing {name} ({k + 1}/{len(targets)})…\033[K")
+            sys.stderr.flush()
+        try:
+            rep = audit(fn, *inputs, table=table, fix=not args.no_fix, sweep=args.sweep,
+                        progress=_progress_printer(name) if args.sweep else None)
+            reports.append((label, rep))
+        except GradkitError as e:
+            errors.append((label, str(e).removeprefix("[gradkit] ")))
+        except Exception as e:  # the user's function failed on these inputs
+            errors.append((label, f"{name} failed on the given inputs: {type(e).__name__}: {_first_line(str(e))}"))
+    if tty:
+        sys.stderr.write("\r\033[K")
+    findings = sum(1 for _, r in reports if not r.ok)
+    if args.json:
+        doc = {"gradkit_version": _version(), "table": table_name or None,
+               "ok": not findings and not errors,
+               "functions": [dict(r.to_dict(), target=label) for label, r in reports]
+               + [{"target": label, "error": msg} for label, msg in errors]}
+        print(json.dumps(doc, indent=2))
+    else:
+        files = sorted({label.rsplit(":", 1)[0] for label, _, _ in targets})
+        print(f"gradkit audit: {', '.join(files)}" + (f" (table {table_name})" if table_name else "") + "\n")
+        for _, r in reports:
+            print(str(r) + "\n")
+        for label, msg in errors:
+            print(f"ERROR    {label}\n         {msg}\n")
+        n = len(reports) + len(errors)
+        summary = f"{n} function{'s' if n != 1 else ''} audited: {n - findings - len(errors)} ok"
+        if findings:
+            summary += f", {findings} with non-finite gradients"
+        if errors:
+            summary += f", {len(errors)} could not be audited"
+        print(summary)
+    if errors:
+        for label, msg in errors:
+            sys.stderr.write(f"[gradkit] {label}: {msg}\n")
+        return EXIT_USAGE
+    return EXIT_FINDINGS if findings else EXIT_OK
+
+
+def _version() -> str:
+    try:
+        from gradkit import __version__
+
+        return __version__
+    except Exception:  # pragma: no cover
+        return "unknown"
+
+
+def rule_catalog() -> dict[str, Any]:
+    """The ready tables (op, rule kind, what it fixes) and the named rules a config can use."""
+    try:
+        from gradkit import tables
+    except Exception:
+        return {"tables": {}, "library": []}
+    out: dict[str, Any] = {"tables": {}, "library": []}
+    for tname, tbl in _library_tables().items():
+        desc = tables.describe(tbl) if hasattr(tables, "describe") else {op: tbl[op].name for op in tbl}
+        rows = []
+        for op in sorted(tbl):
+            kind, _, what = desc.get(op, "").partition(": ")
+            rows.append({"op": op, "rule": kind or tbl[op].name, "mode": tbl[op].mode, "fixes": what or kind})
+        out["tables"][f"gradkit.tables.{tname}"] = rows
+    if hasattr(tables, "library"):
+        for name, lr in tables.library().items():
+            sig = lr.signature() if hasattr(lr, "signature") else name
+            out["library"].append({"rule": name, "signature": sig, "doc": (getattr(lr, "doc", "") or "").strip()})
+    return out
+
+
+def cmd_rules(args: argparse.Namespace) -> int:
+    cat = rule_catalog()
+    if not cat["tables"]:
+        raise UsageError("the rule library (gradkit.tables) is not importable in this installation")
+    if args.json:
+        print(json.dumps(cat, indent=2))
+        return EXIT_OK
+    for tname, rows in cat["tables"].items():
+        print(f"{tname}  ({len(rows)} rules; apply with gk.override(fn, {tname}))")
+        width = max(len(r["op"]) for r in rows)
+        for r in rows:
+            print(f"  {r['op']:<{width}}  {r['mode']}  {r['rule']:<16} {r['fixes']}")
+        print()
+    if cat["library"]:
+        print("Named rules for gk.RuleTable.from_dict / from_toml (e.g. {\"log\": {\"rule\": \"clamped_log\", "
+              "\"eps\": 1e-30}}):")
+        width = max(len(r["signature"]) for r in cat["library"])
+        for r in cat["library"]:
+            print(f"  {r['signature']:<{width}}  {r['doc'].splitlines()[0] if r['doc'] else ''}")
+        print()
+    print("See which rules fire on your code: gradkit audit FILE.py --table SAFE")
+    return EXIT_OK
+
+
+_DEMO_SOURCE = """\
+import jax
+import jax.numpy as jnp
+
+
+def softplus(x):
+    return jnp.log1p(jnp.exp(x))
+
+
+def guarded_log(x):
+    return jnp.where(x > 0, jnp.log(x), 0.0)
+
+
+def norm(x):
+    return jnp.linalg.norm(x)
+
+
+def angle(p):
+    return jnp.arctan2(p[1], p[0])
+
+
+def log_partition(scores):
+    return jax.nn.logsumexp(scores)
+
+
+def loss(logits):
+    return jnp.mean(jnp.log1p(jnp.exp(logits)))
+"""
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    import tempfile
+
+    import jax
+    import jax.numpy as jnp
+
+    from gradkit._src.audit import audit
+
+    try:
+        import gradkit.stable as st
+    except Exception:
+        raise UsageError("the demo needs gradkit.stable, which is not importable in this installation") from None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "gradkit_demo.py")
+        with open(path, "w") as f:
+            f.write(_DEMO_SOURCE)
+        m = _load(path)
+        cases = [
+            ("log(1 + exp(x)) at x = 100", m.softplus, st.log1pexp, jnp.float32(100.0), "gk.stable.log1pexp"),
+            ("where(x > 0, log(x), 0) at x = 0", m.guarded_log, lambda x: jnp.where(x > 0, st.safe_log(x), 0.0),
+             jnp.float32(0.0), "gk.stable.safe_log"),
+            ("jnp.linalg.norm(x) at x = 0", m.norm, st.safe_norm, jnp.zeros(3, jnp.float32),
+             "gk.stable.safe_norm"),
+            ("arctan2(y, x) at the origin", m.angle, lambda p: st.safe_arctan2(p[1], p[0]),
+             jnp.zeros(2, jnp.float32), "gk.stable.safe_arctan2"),
+            ("logsumexp of an all -inf row", m.log_partition, st.logsumexp, jnp.full(3, -jnp.inf, jnp.float32),
+             "gk.stable.logsumexp"),
+        ]
+        print("gradkit demo: the classic NaN gradients, naive JAX vs gradkit\n")
+        print(f"  {'case':<34} {'jax.grad, naive':<20} {'with gradkit':<22} using")
+        for title, naive, fixed, x, how in cases:
+            g0 = _show(jax.grad(lambda v, f=naive: jnp.sum(f(v)))(x))
+            g1 = _show(jax.grad(lambda v, f=fixed: jnp.sum(f(v)))(x))
+            print(f"  {title:<34} {g0:<20} {g1:<22} {how}")
+        print("\nWhere is a NaN born? gk.audit replays the backward pass equation by equation and tries the fix:\n")
+        cwd = os.getcwd()
+        os.chdir(tmp)  # so the report names gradkit_demo.py, not a temporary path
+        try:
+            report = audit(m.loss, jnp.array([0.0, 1.0, 100.0], dtype=jnp.float32))
+            print(report)
+        finally:
+            os.chdir(cwd)
+    print("\nNext: gradkit audit examples/unstable_losses.py   real-looking losses that break, and their fixes")
+    print("      gradkit rules                                the rule tables and what each rule fixes")
+    return EXIT_OK
+
+
+def _show(g: Any) -> str:
+    import numpy as np
+
+    a = np.asarray(g).reshape(-1)
+    return ("[" + ", ".join(f"{v:.3g}" for v in a[:4]) + (", …" if a.size > 4 else "") + "]") if a.size > 1 \
+        else f"{float(a[0]):.3g}"
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # one line, exit 2, no usage dump
+        raise UsageError(f"{message} (see gradkit {self.prog.split()[-1] if ' ' in self.prog else ''} --help)"
+                         .replace("gradkit gradkit", "gradkit").replace("  --help", " --help"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="gradkit", description="Gradient diagnostics for JAX: audit, rules, demo.")
+    p.add_argument("--version", action="version", version=f"gradkit {_version()}")
+    sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="{audit,rules,demo}")
+    a = sub.add_parser("audit", help="find where NaN/inf gradients are born in functions of a file",
+                       description="Audit functions in FILE.py: where non-finite gradients are born, and what "
+                                   "fixes them. Exit code 0 when every gradient is finite, 1 when a finding "
+                                   "remains, 2 for bad arguments.")
+    a.add_argument("targets", nargs="+", metavar="FILE.py[:FUNC]",
+                   help="a file (audits the functions its GRADKIT_INPUTS names) or one function in it")
+    a.add_argument("--arg", action="append", default=[], metavar="SPEC",
+                   help=f"an input of FUNC, once per positional parameter: {SPEC_HELP}")
+    a.add_argument("--json", action="store_true", help="print a JSON report instead of text")
+    a.add_argument("--sweep", action="store_true", help="also probe edge values (0, ±1e-30, ±100, ±1e30, …)")
+    a.add_argument("--table", metavar="NAME|FILE.toml",
+                   help="audit with this rule table applied (a gradkit.tables name such as SAFE, or a TOML "
+                        "file) and report which rules fired")
+    a.add_argument("--seed", type=int, default=0, help="seed for random --arg values (default 0)")
+    a.add_argument("--no-fix", action="store_true", help="do not re-run the suggested fixes")
+    a.set_defaults(run=cmd_audit)
+    r = sub.add_parser("rules", help="the rule catalog: names, what each fixes, which table holds it")
+    r.add_argument("--json", action="store_true", help="print the catalog as JSON")
+    r.set_defaults(run=cmd_rules)
+    d = sub.add_parser("demo", help="a short tour of the classic NaN gradients, naive vs gradkit")
+    d.set_defaults(run=cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the ``gradkit`` command; returns the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if not getattr(args, "command", None):
+            parser.print_help()
+            return EXIT_USAGE
+        return int(args.run(args))
+    except UsageError as e:
+        sys.stdout.flush()
+        sys.stderr.write(f"[gradkit] {e}\n")
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        sys.stderr.write("[gradkit] interrupted\n")
+        return 130
+    except Exception as e:
+        if os.environ.get("GRADKIT_DEBUG"):
+            raise
+        sys.stderr.write(f"[gradkit] internal error: {type(e).__name__}: {_first_line(str(e))} "
+                         "(set GRADKIT_DEBUG=1 for the traceback, and please report it)\n")
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,159 @@
+"""The `gradkit` command: the real console script in a subprocess (exit codes, --json, bad arguments).
+
+Subprocesses pay JAX's import each time, so there are few of them; input-spec
+parsing and the other commands are also tested in-process through `main()`.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from gradkit.cli import UsageError, main, parse_spec
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+SCRIPT = shutil.which("gradkit", path=os.path.dirname(sys.executable))  # the console script of this venv
+
+
+def run(*args, module=False, cwd=ROOT):
+    cmd = [sys.executable, "-m", "gradkit", *args] if module or SCRIPT is None else [SCRIPT, *args]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def finite_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cli") / "model.py"
+    path.write_text(textwrap.dedent("""\
+        import jax.numpy as jnp
+
+        def mse(pred, target):
+            return jnp.mean((pred - target) ** 2)
+
+        def guarded(x):
+            return jnp.sum(jnp.where(x > 0, jnp.sqrt(x), 0.0))
+
+        GRADKIT_INPUTS = {"mse": ("f32[8]:normal(0,1)", "f32[8]:zeros")}
+        """))
+    return str(path)
+
+
+def test_main_job_audits_the_examples_and_exits_1():
+    start = time.time()
+    p = run("audit", "examples/unstable_losses.py")
+    elapsed = time.time() - start
+    assert p.returncode == 1, p.stderr
+    out = p.stdout
+    assert out.startswith("gradkit audit: examples/unstable_losses.py\n")
+    assert out.count("\nFINDING  ") == 7
+    assert out.count("re-run    ") == 7
+    with open(os.path.join(ROOT, "examples", "unstable_losses.py")) as f:
+        line = next(i + 1 for i, text in enumerate(f) if "jnp.log1p(jnp.exp(logits))" in text)
+    assert f"born at   examples/unstable_losses.py:{line}  `exp` (forward pass)" in out
+    assert "inside scan at" in out
+    assert out.rstrip().endswith("7 functions audited: 0 ok, 7 with non-finite gradients")
+    assert "Traceback" not in p.stderr
+    assert elapsed < 120  # the README's main job: well under a minute on a normal machine
+
+
+def test_json_report_parses_and_exit_codes(finite_file):
+    p = run("audit", "examples/unstable_losses.py:angle_loss", "--json")
+    assert p.returncode == 1, p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["ok"] is False
+    (fn,) = doc["functions"]
+    assert fn["target"] == "examples/unstable_losses.py:angle_loss" and fn["finite"] is False
+    assert fn["findings"][0]["op"] == "atan2" and fn["findings"][0]["fix"]["verified"] is True
+    # python -m gradkit on a file that declares its inputs, and a function given --arg inputs: finite -> exit 0
+    p = run("audit", finite_file, "--json", module=True)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["ok"] is True and [f["function"] for f in doc["functions"]] == ["mse"]
+    p = run("audit", f"{finite_file}:guarded", "--arg", "f32[4]:uniform(1,2)")
+    assert p.returncode == 0, p.stderr
+    assert "ok       guarded(x: f32[4])" in p.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (("audit", "no/such/file.py"), "[gradkit] no such file: no/such/file.py"),
+    (("audit", "examples/unstable_losses.py:angle_loss", "--arg", "f32[6,2", "--arg", "f32[6]"),
+     "[gradkit] cannot parse input spec 'f32[6,2': expected DTYPE[SHAPE][:VALUES]"),
+])
+def test_bad_arguments_get_one_line_and_exit_2(args, message):
+    p = run(*args)
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message), p.stderr
+    assert p.stdout == ""
+
+
+def test_rules_command_lists_the_tables():
+    p = run("rules")
+    assert p.returncode == 0, p.stderr
+    assert "gradkit.tables.SAFE" in p.stdout and "gradkit.tables.STABLE" in p.stdout
+    assert any(line.split()[:3] == ["log", "vjp", "safe"] for line in p.stdout.splitlines())
+
+
+# --------------------------------------------------------------------------- in-process
+
+
+def test_in_process_errors(capsys, finite_file, monkeypatch):
+    cases = [
+        (["audit", "examples/unstable_losses.py:nope"], "has no function 'nope' (functions: angle_loss"),
+        (["audit", "examples/unstable_losses.py:angle_loss", "--arg", "f32[3]"],
+         "angle_loss takes 2 input(s) (pred_xy, target_angle) but 1 --arg given"),
+        (["audit", "examples/unstable_losses.py", "--arg", "f32[3]"], "--arg gives the inputs of one function"),
+        ([ "audit", f"{finite_file}:guarded"], "no inputs for guarded: give --arg SPEC once per parameter (x)"),
+        (["audit", "README.md"], "README.md is not a Python file"),
+        (["audit", "examples/unstable_losses.py", "--table", "NOPE"], "unknown table 'NOPE': give a name from"),
+        (["audit"], "the following arguments are required"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+    ]
+    monkeypatch.chdir(ROOT)
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("[gradkit] ") and message in err and err.count("\n") == 1, (argv, err)
+
+
+def test_in_process_table_sweep_and_demo(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert main(["audit", "examples/unstable_losses.py:gaussian_nll", "--table", "SAFE", "--sweep"]) == 1
+    cap = capsys.readouterr()
+    import gradkit.tables
+
+    n = len(gradkit.tables.SAFE)
+    assert f"rules     3 of {n} rules fired (div x2, integer_pow x1, log x1); never matched: acos" in cap.out
+    assert "gradient  finite for every input" in cap.out  # SAFE fixes it at the declared inputs…
+    assert "edge-value probes break the gradient" in cap.out  # …but the sweep finds inputs that still break it
+    assert "[gradkit] sweep gaussian_nll:" in cap.err  # progress goes to stderr
+    assert main(["demo"]) == 0
+    out = capsys.readouterr().out
+    assert "log(1 + exp(x)) at x = 100" in out and "gk.stable.log1pexp" in out
+    assert "born at   gradkit_demo.py:26  `exp` (forward pass)" in out
+
+
+def test_parse_spec():
+    rng = np.random.RandomState(0)
+    a = parse_spec("f32[128]:uniform(-1,1)", rng)
+    assert a.dtype == np.float32 and a.shape == (128,) and a.min() >= -1 and a.max() <= 1
+    assert parse_spec("f64[2,3]:full(2.5)", rng).tolist() == [[2.5] * 3] * 2
+    assert parse_spec("f32[]:100", rng).shape == () and float(parse_spec("f32[]:100", rng)) == 100.0
+    assert parse_spec("f32[3]:[0, 1e-30, -2]", rng).tolist() == pytest.approx([0, 1e-30, -2])
+    assert parse_spec("f32[5]:linspace(0,1)", rng).tolist() == pytest.approx([0, 0.25, 0.5, 0.75, 1])
+    assert parse_spec("i32[4]:randint(0,3)", rng).dtype == np.int32
+    assert parse_spec("bool[6]:bernoulli(1)", rng).all()
+    assert parse_spec("bf16[2]:ones", rng).dtype.name == "bfloat16"
+    assert parse_spec("1.5", rng).dtype == np.float32
+    for bad, msg in [("f32[3", "cannot parse"), ("x32[3]", "unknown dtype"), ("f32[a]", "shape [a]"),
+                     ("f32[3]:[1,2]", "2 values given for shape [3]"), ("f32[3]:gamma(1)", "unknown generator"),
+                     ("f32[3]:uniform(1)", "uniform takes 2 argument(s)")]:
+        with pytest.raises(UsageError, match=re.escape(msg)):
+            parse_spec(bad, rng)

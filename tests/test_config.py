@@ -1,0 +1,181 @@
+"""Declarative tables: RuleTable.from_dict / from_toml and the library rules they name."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gradkit as gk
+from gradkit import stable as st
+from gradkit import tables
+
+ERR = r"^\[gradkit\]"
+
+
+def test_from_dict_builds_library_rules_with_stable_keys():
+    t = gk.RuleTable.from_dict({"sqrt": "safe", "log": {"rule": "clamped_log", "eps": 1e-30},
+                                "round": "straight_through"})
+    assert sorted(t) == ["log", "round", "sqrt"]
+    assert t["log"].key == ("gradkit", "clamped_log", (("eps", 1e-30),))
+    assert t["sqrt"].key == ("gradkit", "safe", (("op", "sqrt"),))
+    assert t["round"].key == ("gradkit", "straight_through", ())
+    same = gk.RuleTable.from_dict({"round": "straight_through", "log": {"eps": 1e-30, "rule": "clamped_log"},
+                                   "sqrt": {"rule": "safe"}})
+    assert same.fingerprint == t.fingerprint and same == t
+    other = gk.RuleTable.from_dict({"sqrt": "safe", "log": {"rule": "clamped_log", "eps": 1e-20},
+                                    "round": "straight_through"})
+    assert other.fingerprint != t.fingerprint
+    # the ready tables are made of the same library rules
+    assert gk.RuleTable.from_dict({n: "safe" for n in tables.SAFE}).fingerprint == tables.SAFE.fingerprint
+    assert gk.RuleTable.from_dict({n: "stable" for n in tables.STABLE}).fingerprint == tables.STABLE.fingerprint
+
+
+def test_fingerprint_is_stable_across_processes():
+    code = textwrap.dedent("""
+        import gradkit as gk
+        from gradkit import tables
+        t = gk.RuleTable.from_dict({"sqrt": "safe", "log": {"rule": "clamped_log", "eps": 1e-30},
+                                    "my_op": {"rule": "scale_gradient", "scale": 0.5}})
+        print(t.fingerprint, tables.SAFE.fingerprint, tables.STABLE.fingerprint)
+    """)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONHASHSEED="123")
+    out1 = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    env["PYTHONHASHSEED"] = "456"
+    out2 = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out1.stdout == out2.stdout
+    here = gk.RuleTable.from_dict({"sqrt": "safe", "log": {"rule": "clamped_log", "eps": 1e-30},
+                                   "my_op": {"rule": "scale_gradient", "scale": 0.5}})
+    assert out1.stdout.split() == [here.fingerprint, tables.SAFE.fingerprint, tables.STABLE.fingerprint]
+
+
+def test_from_toml(tmp_path):
+    p = tmp_path / "rules.toml"
+    p.write_text('sqrt = "safe"\nlog = {rule = "clamped_log", eps = 1e-30}\n"my_softplus" = '
+                 '{rule = "stable", op = "softplus"}\n')
+    t = gk.RuleTable.from_toml(p)
+    assert sorted(t) == ["log", "my_softplus", "sqrt"]
+    assert t == gk.RuleTable.from_dict({"sqrt": "safe", "log": {"rule": "clamped_log", "eps": 1e-30},
+                                        "my_softplus": {"rule": "stable", "op": "softplus"}})
+    nested = tmp_path / "nested.toml"
+    nested.write_text('[rules]\nround = "straight_through"\n')
+    assert sorted(gk.RuleTable.from_toml(str(nested))) == ["round"]
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text('[project]\nname = "x"\n[tool.gradkit.rules]\nsign = "straight_through"\n')
+    assert sorted(gk.RuleTable.from_toml(pyproject)) == ["sign"]
+
+
+def test_toml_errors(tmp_path):
+    with pytest.raises(gk.GradkitError, match=ERR + ".*cannot read"):
+        gk.RuleTable.from_toml(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("sqrt = \n")
+    with pytest.raises(gk.GradkitError, match=ERR + ".*not valid TOML"):
+        gk.RuleTable.from_toml(bad)
+    wrong = tmp_path / "wrong.toml"
+    wrong.write_text('log = {rule = "clamped_log", eps = "tiny"}\n')
+    with pytest.raises(gk.GradkitError, match=ERR + ".*wrong.toml.*'log'.*`eps`.*number"):
+        gk.RuleTable.from_toml(wrong)
+
+
+@pytest.mark.parametrize("config,pattern", [
+    ({"log": "clamp_log"}, r"unknown rule 'clamp_log' \(did you mean 'clamped_log'\?\).*Valid rules: safe"),
+    ({"log": "os.system"}, r"unknown rule 'os.system'.*Valid rules"),
+    ({"log": "__import__('os').system('true')"}, r"unknown rule"),
+    ({"log": {"rule": "clamped_log", "epsilon": 1.0}}, r"no parameter `epsilon`.*Valid parameters: `eps`"),
+    ({"log": {"rule": "clamped_log", "eps": -1.0}}, r"`eps`.*must be > 0"),
+    ({"log": {"rule": "clamped_log", "eps": True}}, r"`eps`.*must be a number"),
+    ({"log": {"rule": "clamped_log", "eps": "1e-3"}}, r"`eps`.*must be a number"),
+    ({"f": {"rule": "scale_gradient"}}, r"needs parameter `scale`"),
+    ({"f": {"rule": "scale_gradient", "scale": float("inf")}}, r"`scale`.*finite"),
+    ({"f": {"rule": "clip_gradient", "lo": 1.0, "hi": -1.0}}, r"lo <= hi"),
+    ({"f": {"eps": 1.0}}, r"no `rule` key"),
+    ({"f": 3}, r"expected a rule name"),
+    ({"f": {"rule": 3}}, r"unknown rule 3"),
+    ({"my_op": "safe"}, r"no entry for op 'my_op'.*Ops it covers: .*sqrt"),
+    ({"sqrt": {"rule": "stable", "op": "sofplus"}}, r"did you mean 'softplus'"),
+    ({"": "safe"}, r"op names"),
+])
+def test_config_errors_list_what_is_valid(config, pattern):
+    with pytest.raises(gk.GradkitError, match=ERR + ".*" + pattern):
+        gk.RuleTable.from_dict(config)
+
+
+def test_config_never_imports_or_evaluates():
+    before = set(sys.modules)
+    for name in ["json.loads", "antigravity", "os.system", "subprocess.run", "eval", "exec"]:
+        with pytest.raises(gk.GradkitError, match=ERR + ".*unknown rule"):
+            gk.RuleTable.from_dict({"log": name})
+        with pytest.raises(gk.GradkitError):
+            gk.RuleTable.from_dict({"log": {"rule": "safe", "op": name}})
+    assert "antigravity" not in set(sys.modules) - before
+    with pytest.raises(gk.GradkitError, match=ERR + ".*mapping"):
+        gk.RuleTable.from_dict(["sqrt", "safe"])
+
+
+def test_library_rules_do_what_they_say():
+    x = jnp.array([0.0, 4.0])
+    t = gk.RuleTable.from_dict({"log": {"rule": "clamped_log", "eps": 0.5}})
+    np.testing.assert_allclose(np.asarray(jax.grad(gk.override(lambda v: jnp.sum(jnp.log(v)), t))(x)), [2.0, 0.25])
+    t = gk.RuleTable.from_dict({"sqrt": {"rule": "clamped_sqrt", "eps": 0.25}})
+    np.testing.assert_allclose(np.asarray(jax.grad(gk.override(lambda v: jnp.sum(jnp.sqrt(v)), t))(x)), [1.0, 0.25])
+    t = gk.RuleTable.from_dict({"log": "clamped_log"})  # default eps: the smallest normal number
+    assert np.isfinite(float(jax.grad(gk.override(jnp.log, t))(0.0)))
+    t = gk.RuleTable.from_dict({"sin": "zero", "round": "straight_through"})
+    f = gk.override(lambda v: jnp.sum(jnp.sin(v) + jnp.round(v)), t)
+    np.testing.assert_array_equal(np.asarray(jax.grad(f)(x)), [1.0, 1.0])
+    np.testing.assert_array_equal(np.asarray(jax.jacfwd(f)(x)), [1.0, 1.0])
+
+
+def test_scale_reverse_and_clip_rules_on_primitives_and_jit_functions():
+    x = jnp.array([0.3, 2.0])
+    f = lambda v: jnp.sum(jnp.sin(v) * 3.0)
+    g = jax.grad(gk.override(f, gk.RuleTable.from_dict({"sin": {"rule": "scale_gradient", "scale": 0.5}})))(x)
+    np.testing.assert_allclose(np.asarray(g), 1.5 * np.cos(np.asarray(x)), rtol=1e-6)
+    g = jax.grad(gk.override(f, gk.RuleTable.from_dict({"sin": {"rule": "reverse_gradient", "scale": 2.0}})))(x)
+    np.testing.assert_allclose(np.asarray(g), -6.0 * np.cos(np.asarray(x)), rtol=1e-6)
+    g = jax.grad(gk.override(f, gk.RuleTable.from_dict({"sin": {"rule": "clip_gradient", "lo": -1.0, "hi": 1.0}})))(x)
+    np.testing.assert_allclose(np.asarray(g), np.clip(3.0 * np.cos(np.asarray(x)), -1, 1), rtol=1e-6)
+    # a jax.jit-ed function matched by name
+    sp = lambda v: jnp.sum(jax.nn.softplus(v))
+    g = jax.grad(gk.override(sp, gk.RuleTable.from_dict({"softplus": {"rule": "scale_gradient", "scale": 2.0}})))(x)
+    np.testing.assert_allclose(np.asarray(g), 2.0 * np.asarray(jax.nn.sigmoid(x)), rtol=1e-6)
+    # forward mode through a scale rule
+    _, t = jax.jvp(gk.override(jnp.sin, gk.RuleTable.from_dict({"sin": {"rule": "scale_gradient", "scale": 0.5}})),
+                   (0.0,), (1.0,))
+    assert float(t) == 0.5
+
+
+def test_scale_rule_on_a_named_op_explains_the_limit():
+    @gk.op("my_layer")
+    def layer(v):
+        return jnp.tanh(v) * 2.0
+
+    t = gk.RuleTable.from_dict({"my_layer": {"rule": "scale_gradient", "scale": 0.5}})
+    with pytest.raises(gk.GradkitError, match=ERR + ".*my_layer.*primitives and jax.jit"):
+        jax.grad(gk.override(lambda v: jnp.sum(layer(v)), t))(jnp.ones(2))
+
+
+def test_stable_rule_retargets_a_users_op():
+    @gk.op("my_softplus")
+    def my_softplus(v):
+        return jnp.log(1.0 + jnp.exp(v))
+
+    f = lambda v: jnp.sum(my_softplus(v))
+    x = jnp.array([-200.0, 0.0, 200.0])
+    assert np.isnan(np.asarray(jax.grad(f)(x))).any()
+    t = gk.RuleTable.from_dict({"my_softplus": {"rule": "stable", "op": "softplus"}})
+    np.testing.assert_array_equal(np.asarray(jax.grad(gk.override(f, t))(x)), np.asarray(jax.grad(
+        lambda v: jnp.sum(st.softplus(v)))(x)))
+    assert t["my_softplus"].key == ("gradkit", "stable", (("op", "softplus"),))
+
+
+def test_library_listing_for_docs_and_cli():
+    lib = tables.library()
+    for name, rule in lib.items():
+        assert rule.name == name and rule.doc and rule.signature().startswith(name + "(")
+    assert lib["clip_gradient"].signature() == "clip_gradient(lo: float = -inf, hi: float = inf)"

@@ -1,0 +1,445 @@
+"""gradkit.stable: values, gradients at extreme inputs, pinned derivatives, every order, jit/vmap.
+
+References are mpmath (50 digits) for elementwise functions and float64
+computations for reductions. ULP tolerances are loose multiples of what
+benchmarks/accuracy.py measures, so they guard against regressions without
+depending on the last bit of XLA's kernels.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import mpmath as mp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hst
+from jax.test_util import check_grads
+
+import gradkit as gk
+from gradkit import stable as st
+
+mp.mp.dps = 50
+INF = math.inf
+
+
+def _sig(x):
+    return 1 / (1 + mp.exp(-x))
+
+
+def _sinc_prime(x):
+    if x == 0:
+        return mp.mpf(0)
+    with mp.workdps(60 + max(0, int(-2 * mp.log10(abs(x))))):
+        return +((mp.cospi(x) - mp.sinpi(x) / (mp.pi * x)) / x)
+
+
+def _safe(f):
+    def g(x):
+        try:
+            return f(x)
+        except (ValueError, ZeroDivisionError):
+            return None
+    return g
+
+
+# name -> (function, value(x), derivative(x), domain(x) -> bool, scale(x) of cancelling terms)
+UNARY = {
+    "log1pexp": (st.log1pexp, lambda x: mp.log1p(mp.exp(x)), _sig, None, None),
+    "log_sigmoid": (st.log_sigmoid, lambda x: -mp.log1p(mp.exp(-x)), lambda x: _sig(-x), None, None),
+    "sigmoid": (st.sigmoid, _sig, lambda x: _sig(x) * _sig(-x), None, None),
+    "silu": (st.silu, lambda x: x * _sig(x), lambda x: _sig(x) + x * _sig(x) * _sig(-x), None,
+             lambda x: _sig(x)),
+    "log1mexp": (st.log1mexp, lambda x: mp.log1p(-mp.exp(-x)), lambda x: 1 / mp.expm1(x), lambda x: x > 0, None),
+    "softplus_inverse": (st.softplus_inverse, lambda x: mp.log(mp.expm1(x)), lambda x: -1 / mp.expm1(-x),
+                         lambda x: x > 0, None),
+    "log_cosh": (st.log_cosh, lambda x: mp.log(mp.cosh(x)), mp.tanh, None, None),
+    "safe_sqrt": (st.safe_sqrt, mp.sqrt, lambda x: 1 / (2 * mp.sqrt(x)), lambda x: x > 0, None),
+    "safe_log": (st.safe_log, mp.log, lambda x: 1 / x, lambda x: x > 0, None),
+    "safe_arccos": (st.safe_arccos, mp.acos, lambda x: -1 / mp.sqrt(1 - x * x), lambda x: abs(x) < 1, None),
+    "safe_arcsin": (st.safe_arcsin, mp.asin, lambda x: 1 / mp.sqrt(1 - x * x), lambda x: abs(x) < 1, None),
+    "sinc": (st.sinc, lambda x: mp.sinpi(x) / (mp.pi * x) if x != 0 else mp.mpf(1), _sinc_prime, None,
+             lambda x: 1 / max(abs(x), 1)),
+}
+
+EXTREMES = [-INF, -1e4, -1000.0, -100.0, -88.7, -20.0, -16.9, -15.9, -1.2784646, -1.0, -0.5, -1e-8, -1e-30,
+            0.0, 1e-30, 1e-8, 0.5, 0.999, 1.0, 15.9, 16.9, 20.0, 88.7, 100.0, 1000.0, 1e4, 3e38, INF]
+
+
+def _ulps(a, r, dtype):
+    """|a - r| in ULPs of r in dtype (values below the smallest normal count as 0, as XLA:CPU flushes them)."""
+    fi = np.finfo(dtype)
+    tiny = float(fi.tiny)
+    a = float(a)
+    r = float(r)
+    if abs(r) < tiny:
+        r = 0.0
+    if abs(a) < tiny:
+        a = 0.0
+    if a == r:
+        return 0.0
+    rd = np.asarray(r, dtype)
+    ulp = float(np.spacing(np.maximum(np.abs(rd), np.asarray(tiny, dtype))))
+    return abs(a - r) / ulp
+
+
+def _exact(f, x):
+    try:
+        with mp.workdps(130):  # log(cosh(1e-30)) and friends cancel beyond 50 digits
+            r = +f(mp.mpf(float(x)))
+    except (ValueError, ZeroDivisionError):
+        return None
+    if r is None or not mp.isfinite(r) or mp.im(r) != 0:
+        return None
+    return r
+
+
+def _check_point(name, x, dtype=np.float32, value_ulps=4.0, grad_ulps=4.0):
+    fn, val, der, dom, scale = UNARY[name]
+    xv = np.asarray(x, dtype)
+    out = np.asarray(fn(xv))
+    g = np.asarray(jax.grad(fn)(xv))
+    if not np.isfinite(xv):
+        return
+    if dom is not None and not dom(float(xv)):
+        return
+    fi = np.finfo(dtype)
+    r = _exact(val, xv)
+    if r is not None and abs(r) <= float(fi.max):
+        assert _ulps(out, r, dtype) <= value_ulps, (name, float(xv), float(out), float(r))
+    d = _exact(der, xv)
+    if d is not None and abs(d) <= float(fi.max):
+        assert np.isfinite(g), (name, float(xv), float(g))
+        slack = 0.0
+        if scale is not None:
+            slack = 4 * float(fi.eps) * float(scale(mp.mpf(float(xv))))
+        err = abs(float(g) - float(d))
+        assert err <= slack or _ulps(g, d, dtype) <= grad_ulps, (name, float(xv), float(g), float(d))
+
+
+@pytest.mark.parametrize("name", sorted(UNARY))
+def test_unary_extreme_values_and_gradients_float32(name):
+    for x in EXTREMES:
+        _check_point(name, x)
+
+
+@pytest.mark.parametrize("name", sorted(UNARY))
+def test_unary_extreme_values_and_gradients_float64(name, x64):
+    for x in EXTREMES + [-700.0, 700.0, -36.0, 36.0, 1e300]:
+        _check_point(name, x, np.float64)
+
+
+@pytest.mark.parametrize("name", sorted(UNARY))
+@settings(max_examples=30, deadline=None)
+@given(x=hst.floats(width=32, allow_nan=False, allow_infinity=True))
+def test_unary_property_extreme_inputs(name, x):
+    """Finite gradient wherever the true derivative is finite; value matches mpmath."""
+    fi = np.finfo(np.float32)
+    if x != 0 and abs(x) < fi.tiny:  # XLA:CPU flushes subnormal inputs to zero
+        x = 0.0
+    _check_point(name, x)
+
+
+@pytest.mark.parametrize("name", sorted(UNARY))
+def test_unary_jit_and_vmap_agree_with_eager(name):
+    fn = UNARY[name][0]
+    xs = np.asarray([x for x in EXTREMES if np.isfinite(x)], np.float32)
+    eager_v = np.stack([np.asarray(fn(x)) for x in xs])
+    eager_g = np.stack([np.asarray(jax.grad(fn)(x)) for x in xs])
+    np.testing.assert_array_equal(np.asarray(jax.jit(jax.vmap(fn))(xs)), eager_v)
+    np.testing.assert_array_equal(np.asarray(jax.jit(jax.vmap(jax.grad(fn)))(xs)), eager_g)
+    np.testing.assert_array_equal(np.asarray(fn(xs)), eager_v)
+
+
+def test_pinned_values():
+    assert float(jax.grad(st.log1pexp)(0.0)) == 0.5
+    assert float(jax.grad(st.softplus)(jnp.inf)) == 1.0
+    assert float(st.softplus(89.0)) == 89.0
+    assert float(jax.grad(st.log1pexp)(100.0)) == 1.0
+    gx, gy = jax.grad(st.logaddexp, argnums=(0, 1))(3.0, 3.0)
+    assert (float(gx), float(gy)) == (0.5, 0.5)
+    for v in (-INF, INF):
+        gx, gy = jax.grad(st.logaddexp, argnums=(0, 1))(v, v)
+        assert (float(gx), float(gy)) == (0.5, 0.5)
+    assert float(st.log1mexp(0.0)) == -INF and float(st.log1mexp(INF)) == 0.0
+    np.testing.assert_allclose(float(jax.grad(jax.grad(st.sinc))(0.0)), -np.pi ** 2 / 3, rtol=1e-6)
+    assert float(jax.grad(st.sinc)(0.0)) == 0.0
+    assert float(st.sinc(0.0)) == 1.0 and float(st.sinc(3.0)) == 0.0 and float(st.sinc(INF)) == 0.0
+    assert float(jax.grad(st.safe_sqrt)(0.0)) == 0.0
+    assert float(jax.grad(st.safe_log)(0.0)) == 0.0
+    assert float(jax.grad(st.sigmoid)(20.0)) > 0.0
+
+
+def test_logaddexp_jacobian_is_identity_far_apart():
+    x = jnp.array([-2.0, -1000.0])
+    y = jnp.array([-1000.0, -3.0])
+    jx, jy = jax.jacobian(st.logaddexp, argnums=(0, 1))(x, y)
+    np.testing.assert_array_equal(np.asarray(jx), np.diag([1.0, 0.0]))
+    np.testing.assert_array_equal(np.asarray(jy), np.diag([0.0, 1.0]))
+
+
+def test_logaddexp_gradient_uses_exact_difference():
+    # x - y rounds in float32; the weights use the exact difference.
+    x, y = np.float32(100.000_01), np.float32(1.000_000_1e-3)
+    gx, gy = jax.grad(st.logaddexp, argnums=(0, 1))(x, y)
+    d = mp.mpf(float(x)) - mp.mpf(float(y))
+    assert _ulps(gy, _sig(-d), np.float32) <= 2.0
+    assert _ulps(gx, _sig(d), np.float32) <= 2.0
+
+
+def test_xlogy_and_xlog1py():
+    assert float(st.xlogy(0.0, 0.0)) == 0.0
+    gx, gy = jax.grad(st.xlogy, argnums=(0, 1))(0.0, 3.0)
+    np.testing.assert_allclose([float(gx), float(gy)], [np.log(3.0), 0.0], rtol=1e-6)
+    assert float(jax.grad(st.xlogy, argnums=1)(0.0, 0.0)) == 0.0
+    assert np.isnan(float(st.xlogy(0.0, jnp.nan)))
+    assert float(st.xlog1py(0.0, -1.0)) == 0.0
+    assert float(jax.grad(st.xlog1py, argnums=1)(0.0, -1.0)) == 0.0
+    # entropy term: d/dp p log p = log p + 1, -inf at 0 (the true value)
+    assert float(jax.grad(lambda p: st.xlogy(p, p))(0.0)) == -INF
+
+
+def test_log_sub_exp():
+    np.testing.assert_allclose(float(st.log_sub_exp(1000.0, 999.0)), 1000 + np.log1p(-np.exp(-1.0)), rtol=1e-6)
+    assert float(st.log_sub_exp(2.0, 2.0)) == -INF
+    assert float(st.log_sub_exp(-INF, -INF)) == -INF
+    assert np.isnan(float(st.log_sub_exp(1.0, 2.0)))
+    gx, gy = jax.grad(st.log_sub_exp, argnums=(0, 1))(1.0, 0.0)
+    e = np.e
+    np.testing.assert_allclose([float(gx), float(gy)], [e / (e - 1), -1 / (e - 1)], rtol=1e-6)
+
+
+def test_hypot_and_safe_div_and_arctan2():
+    assert np.isfinite(float(st.hypot(3e30, 4e30)))
+    np.testing.assert_allclose(float(st.hypot(3e30, 4e30)), 5e30, rtol=1e-6)
+    np.testing.assert_allclose(float(st.hypot(3e-30, 4e-30)), 5e-30, rtol=1e-6)
+    g = jax.grad(st.hypot, argnums=(0, 1))
+    assert [float(v) for v in g(0.0, 0.0)] == [0.0, 0.0]
+    np.testing.assert_allclose([float(v) for v in g(3.0, 4.0)], [0.6, 0.8], rtol=1e-6)
+    np.testing.assert_allclose([float(v) for v in g(3e30, 4e30)], [0.6, 0.8], rtol=1e-6)
+    assert float(st.hypot(INF, jnp.nan)) == INF
+    assert [float(v) for v in g(INF, 1.0)] == [1.0, 0.0]
+    assert float(st.safe_div(1.0, 0.0)) == 0.0
+    assert [float(v) == 0 for v in jax.grad(st.safe_div, argnums=(0, 1))(1.0, 0.0)] == [True, True]
+    # x / y^2 would overflow in y^2 first
+    assert np.isfinite(float(jax.grad(st.safe_div, argnums=1)(1.5, 9e-20)))
+    ga = jax.grad(st.safe_arctan2, argnums=(0, 1))
+    assert [float(v) for v in ga(0.0, 0.0)] == [0.0, 0.0]
+    np.testing.assert_allclose([float(v) for v in ga(1e30, 1e30)], [5e-31, -5e-31], rtol=1e-6)
+    np.testing.assert_allclose([float(v) for v in ga(1.0, 2.0)], [0.4, -0.2], rtol=1e-6)
+
+
+def test_safe_pow():
+    g = jax.grad(st.safe_pow, argnums=(0, 1))
+    assert [float(v) for v in g(0.0, 0.0)] == [0.0, 0.0]
+    assert [float(v) for v in g(0.0, 2.0)] == [0.0, 0.0]
+    assert float(g(0.0, 0.5)[0]) == INF  # the true derivative is infinite
+    np.testing.assert_allclose([float(v) for v in g(2.0, 3.0)], [12.0, 8 * np.log(2.0)], rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(st.safe_pow(jnp.arange(4.0), 2.5)), np.asarray(jnp.arange(4.0) ** 2.5))
+    # y x^(y-1) is normal although x^(y-1) is not
+    assert float(jax.grad(st.safe_pow)(np.float32(4.2e-26), 2.5)) > 0
+
+
+def test_safe_arccos_edges():
+    assert float(st.safe_arccos(1.0000001)) == 0.0
+    g1 = float(jax.grad(st.safe_arccos)(1.0))
+    assert np.isfinite(g1) and g1 < -1000
+    assert float(jax.grad(st.safe_arccos)(1.5)) == 0.0
+    assert float(jax.grad(st.safe_arcsin)(-1.0)) == -float(jax.grad(st.safe_arccos)(-1.0))
+    assert np.isnan(float(jax.grad(st.safe_arccos)(jnp.nan)))
+
+
+# --------------------------------------------------------------------------- reductions
+
+
+@pytest.mark.parametrize("axis,keepdims", [(None, False), (0, False), (1, True), ((0, 1), False)])
+def test_logsumexp_matches_jax_where_finite(axis, keepdims, maybe_jit):
+    a = jax.random.normal(jax.random.key(0), (3, 4)) * 10
+    b = jax.random.uniform(jax.random.key(1), (3, 4))
+    f = maybe_jit(lambda a, b: st.logsumexp(a, axis=axis, b=b, keepdims=keepdims))
+    ref = lambda a, b: jax.scipy.special.logsumexp(a, axis=axis, b=b, keepdims=keepdims)
+    np.testing.assert_array_equal(np.asarray(f(a, b)), np.asarray(ref(a, b)))
+    ga, gb = jax.grad(lambda a, b: jnp.sum(f(a, b)), argnums=(0, 1))(a, b)
+    ra, rb = jax.grad(lambda a, b: jnp.sum(ref(a, b)), argnums=(0, 1))(a, b)
+    np.testing.assert_allclose(np.asarray(ga), np.asarray(ra), rtol=2e-6, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(gb), np.asarray(rb), rtol=2e-6, atol=1e-7)
+
+
+def test_logsumexp_infinite_inputs_and_masks():
+    g = jax.grad(st.logsumexp)
+    np.testing.assert_array_equal(np.asarray(g(jnp.full(4, -jnp.inf))), np.full(4, 0.25))
+    np.testing.assert_array_equal(np.asarray(g(jnp.array([jnp.inf, 0.0, jnp.inf]))), [0.5, 0.0, 0.5])
+    assert float(st.logsumexp(jnp.full(3, -jnp.inf))) == -INF
+    w = jnp.array([True, False, True])
+    a = jnp.array([1.0, 1000.0, 1.0])
+    assert float(st.logsumexp(a, where=w)) == pytest.approx(1 + np.log(2), rel=1e-6)
+    np.testing.assert_array_equal(np.asarray(jax.grad(lambda a: st.logsumexp(a, where=w))(a)), [0.5, 0.0, 0.5])
+    # b == 0 entries are excluded from the value; b < 0 with return_sign
+    out, sign = st.logsumexp(jnp.array([0.0, 1.0]), b=jnp.array([-1.0, 1.0]), return_sign=True)
+    np.testing.assert_allclose(float(out), np.log(np.e - 1), rtol=1e-6)
+    assert float(sign) == 1.0
+    gb = jax.grad(lambda b: st.logsumexp(jnp.array([0.0, 5.0]), b=b))(jnp.array([0.0, 1.0]))
+    np.testing.assert_allclose(np.asarray(gb), [np.exp(-5.0), 1.0], rtol=1e-5)
+    h = jax.hessian(st.logsumexp)(jnp.array([0.0, 0.0]))
+    np.testing.assert_allclose(np.asarray(h), [[0.25, -0.25], [-0.25, 0.25]], rtol=1e-6)
+
+
+def test_softmax_and_log_softmax():
+    x = jax.random.normal(jax.random.key(2), (2, 5)) * 5
+    np.testing.assert_array_equal(np.asarray(st.softmax(x)), np.asarray(jax.nn.softmax(x)))
+    np.testing.assert_array_equal(np.asarray(st.log_softmax(x, axis=0)), np.asarray(jax.nn.log_softmax(x, axis=0)))
+    t = jax.random.normal(jax.random.key(3), (2, 5))
+    for ours, ref in [(st.softmax, jax.nn.softmax), (st.log_softmax, jax.nn.log_softmax)]:
+        (_, a), (_, b) = jax.jvp(ours, (x,), (t,)), jax.jvp(ref, (x,), (t,))
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(st.softmax(jnp.array([jnp.inf, 0.0, jnp.inf]))), [0.5, 0.0, 0.5])
+    np.testing.assert_array_equal(np.asarray(st.softmax(jnp.full(2, -jnp.inf))), [0.5, 0.5])
+    assert np.all(np.isfinite(np.asarray(jax.grad(lambda v: st.log_softmax(v)[0])(jnp.full(3, -jnp.inf)))))
+    w = jnp.array([True, True, False])
+    v = jnp.array([1.0, 2.0, 3.0])
+    np.testing.assert_allclose(np.asarray(st.softmax(v, where=w)), np.asarray(jax.nn.softmax(v, where=w)),
+                               rtol=1e-6)
+    assert float(st.log_softmax(v, where=w)[2]) == -INF
+    assert float(jax.grad(lambda v: st.log_softmax(v, where=w)[0])(v)[2]) == 0.0
+
+
+@pytest.mark.parametrize("ord", [None, 1, 2, 3, 0.5, np.inf, -np.inf])
+def test_safe_norm_vector_ords(ord):
+    x = jnp.array([3.0, -4.0, 0.5])
+    np.testing.assert_allclose(np.asarray(st.safe_norm(x, ord=ord)), np.asarray(jnp.linalg.norm(x, ord=ord)),
+                               rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(jax.grad(st.safe_norm)(x, ord)),
+                               np.asarray(jax.grad(jnp.linalg.norm)(x, ord)), rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(jax.grad(st.safe_norm)(jnp.zeros(3), ord)), np.zeros(3))
+
+
+@pytest.mark.parametrize("ord", [None, "fro", "nuc", 1, 2, -1, np.inf])
+@pytest.mark.parametrize("min_norm", [0.0, 3.0])
+def test_safe_norm_matrix_jacfwd_at_zero(ord, min_norm):
+    """optax's test: exact zeros of jacfwd at 0 for every ord."""
+    z = jnp.zeros((3, 4))
+    f = lambda x: st.safe_norm(x, ord=ord, axis=(0, 1), min_norm=min_norm)
+    assert float(f(z)) == min_norm
+    np.testing.assert_array_equal(np.asarray(jax.jacfwd(f)(z)), np.zeros((3, 4)))
+    np.testing.assert_array_equal(np.asarray(jax.jacrev(f)(z)), np.zeros((3, 4)))
+
+
+def test_safe_norm_axis_keepdims_and_range():
+    x = jax.random.normal(jax.random.key(4), (2, 3, 4))
+    np.testing.assert_allclose(np.asarray(st.safe_norm(x, axis=-1, keepdims=True)),
+                               np.asarray(jnp.linalg.norm(x, axis=-1, keepdims=True)), rtol=1e-6)
+    big = jnp.array([3e20, 4e20], jnp.float32)
+    np.testing.assert_allclose(float(st.safe_norm(big)), 5e20, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(jax.grad(st.safe_norm)(big)), [0.6, 0.8], rtol=1e-6)
+    small = jnp.array([3e-25, 4e-25], jnp.float32)
+    np.testing.assert_allclose(float(st.safe_norm(small)), 5e-25, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(jax.grad(st.safe_norm)(small)), [0.6, 0.8], rtol=1e-6)
+    # exact where the naive norm is finite
+    y = jax.random.normal(jax.random.key(5), (50,))
+    np.testing.assert_array_equal(np.asarray(st.safe_norm(y)), np.asarray(jnp.linalg.norm(y)))
+
+
+def test_normalize():
+    x = jnp.array([3.0, 4.0])
+    np.testing.assert_allclose(np.asarray(st.normalize(x)), [0.6, 0.8], rtol=1e-6)
+    j = np.asarray(jax.jacobian(st.normalize)(x))
+    u = np.array([0.6, 0.8])
+    np.testing.assert_allclose(j, (np.eye(2) - np.outer(u, u)) / 5.0, rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(np.asarray(st.normalize(jnp.zeros(3))), np.zeros(3))
+    np.testing.assert_array_equal(np.asarray(jax.jacobian(st.normalize)(jnp.zeros(3))), np.zeros((3, 3)))
+    np.testing.assert_allclose(np.asarray(st.normalize(jnp.array([3e30, 4e30]))), [0.6, 0.8], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(st.normalize(jnp.array([3e-30, 4e-30]))), [0.6, 0.8], rtol=1e-6)
+    assert np.all(np.isfinite(np.asarray(jax.jacobian(st.normalize)(jnp.array([3e-30, 4e-30])))))
+    np.testing.assert_array_equal(np.asarray(st.normalize(jnp.array([jnp.inf, 1.0]))), [1.0, 0.0])
+    m = jax.random.normal(jax.random.key(6), (4, 3))
+    np.testing.assert_allclose(np.asarray(jnp.linalg.norm(st.normalize(m, axis=0), axis=0)), np.ones(3), rtol=1e-6)
+
+
+# --------------------------------------------------------------------------- orders and modes
+
+
+SMOOTH_POINTS = {
+    st.log1pexp: -3.0, st.log_sigmoid: 0.3, st.sigmoid: 5.0, st.silu: -1.2, st.log1mexp: 0.7,
+    st.softplus_inverse: 0.7, st.log_cosh: 0.9, st.safe_sqrt: 2.0, st.safe_log: 0.5, st.safe_arccos: -0.5,
+    st.safe_arcsin: 0.3, st.sinc: 0.4,
+}
+
+
+def _derivatives_match_finite_differences(f, xs, h=1e-6, rtol=1e-6):
+    """First and second derivatives, forward and reverse mode, against central differences (float64)."""
+    xs = np.asarray(xs, np.float64)
+    d1_rev = jax.grad(f)
+    d1_fwd = lambda x: jax.jvp(f, (x,), (jnp.ones_like(x),))[1]
+    d2_rev = jax.grad(jax.grad(f))
+    d2_fwd = jax.jacfwd(jax.grad(f))
+    d2_fwd_fwd = jax.jacfwd(jax.jacfwd(f))
+    vf = jax.jit(jax.vmap(f))
+    g1 = jax.jit(jax.vmap(d1_rev))
+    fd1 = (np.asarray(vf(xs + h)) - np.asarray(vf(xs - h))) / (2 * h)
+    fd2 = (np.asarray(g1(xs + h)) - np.asarray(g1(xs - h))) / (2 * h)
+    for got, want in [(g1(xs), fd1), (jax.jit(jax.vmap(d1_fwd))(xs), fd1), (jax.jit(jax.vmap(d2_rev))(xs), fd2),
+                      (jax.jit(jax.vmap(d2_fwd))(xs), fd2), (jax.jit(jax.vmap(d2_fwd_fwd))(xs), fd2)]:
+        np.testing.assert_allclose(np.asarray(got), want, rtol=rtol, atol=rtol)
+
+
+def test_first_and_second_derivatives_both_modes(x64):
+    for fn, x in SMOOTH_POINTS.items():
+        _derivatives_match_finite_differences(fn, [x, x + 0.1])
+    for f, (x, y) in [(st.logaddexp, (0.3, -1.2)), (st.xlogy, (2.0, 0.5)), (st.xlog1py, (2.0, 0.5)),
+                      (st.hypot, (0.3, -1.2)), (st.safe_div, (0.3, -1.2)), (st.safe_arctan2, (0.3, -1.2)),
+                      (st.log_sub_exp, (2.0, 0.5)), (st.safe_pow, (1.5, 2.5))]:
+        _derivatives_match_finite_differences(lambda a: f(a, y), [x])
+        _derivatives_match_finite_differences(lambda b: f(x, b), [y])
+
+
+def test_check_grads_order_2(x64):
+    """JAX's own checker on a few representatives (it retraces per call, so it is slow)."""
+    for fn, x in [(st.log1pexp, -3.0), (st.sinc, 0.4), (st.silu, -1.2)]:
+        check_grads(fn, (np.float64(x),), order=2, modes=("fwd", "rev"))
+    check_grads(st.logaddexp, (0.3, -1.2), order=2, modes=("fwd", "rev"))
+
+
+def test_check_grads_reductions(x64):
+    x = np.array([[0.3, -1.0, 2.0], [1.0, 0.5, -0.2]])
+    for f in [lambda v: st.logsumexp(v, axis=1), lambda v: st.softmax(v, axis=0), st.log_softmax,
+              lambda v: st.safe_norm(v, axis=1), st.normalize, lambda v: st.safe_norm(v, ord=1, axis=0)]:
+        check_grads(f, (x,), order=1, modes=("fwd", "rev"))
+
+
+def test_higher_orders_are_finite_at_the_edges():
+    for fn, xs in [(st.sigmoid, [-100.0, 0.0, 100.0]), (st.log1pexp, [-1e4, 0.0, 1e4]),
+                   (st.silu, [-100.0, -1.2784646, 100.0]), (st.sinc, [0.0, 1.0, 1e6]),
+                   (st.log_cosh, [-1e4, 0.0, 1e4]), (st.safe_sqrt, [0.0, -1.0]), (st.safe_log, [0.0])]:
+        d3 = jax.grad(jax.grad(jax.grad(fn)))
+        for x in xs:
+            assert np.isfinite(float(d3(np.float32(x)))), (fn.__name__, x)
+    np.testing.assert_allclose(float(jax.grad(jax.grad(st.sigmoid))(20.0)), -2.0611537e-09, rtol=1e-5)
+
+
+def test_named_ops_are_targetable():
+    names = {"log1pexp": st.log1pexp, "sigmoid": st.sigmoid, "logsumexp": st.logsumexp, "safe_norm": st.safe_norm,
+             "softmax": st.softmax, "safe_log": st.safe_log, "normalize": st.normalize, "hypot": st.hypot}
+    for name, fn in names.items():
+        assert getattr(fn, "gradkit_op_name", None) == name
+        args = (jnp.ones(3),) if name != "hypot" else (jnp.ones(3), jnp.ones(3))
+        twice = gk.jvp_rule(lambda op, t: jax.tree_util.tree_map(lambda v: 2 * v, jax.jvp(
+            lambda *a: fn(*a), tuple(op.inputs[:len(args)]), tuple(t[:len(args)]))[1]))
+        f = lambda *a: jnp.sum(fn(*a))
+        g = jax.grad(gk.override(f, {name: twice}))(*args)
+        np.testing.assert_allclose(np.asarray(g), 2 * np.asarray(jax.grad(f)(*args)), rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision(dtype):
+    x = jnp.array([-20.0, -1.0, 0.0, 1.0, 20.0], dtype)
+    for fn in [st.log1pexp, st.sigmoid, st.silu, st.log_cosh, st.sinc, st.safe_sqrt]:
+        out = fn(x)
+        assert out.dtype == dtype
+        g = jax.vmap(jax.grad(fn))(x)
+        assert g.dtype == dtype and bool(jnp.all(jnp.isfinite(g)))
+
+
+def test_integer_inputs_are_promoted():
+    assert st.log1pexp(jnp.arange(3)).dtype == jnp.float32
+    assert st.logaddexp(1, 2).dtype == jnp.float32
