@@ -71,7 +71,7 @@ print("jacfwd at 0:", jax.jacfwd(f)(0.0), " grad at 4:", jax.grad(f)(4.0), " hes
 def log1pexp(x):
     return jnp.log1p(jnp.exp(x))
 
-print(jax.make_jaxpr(lambda x: log1pexp(x) * 2)(1.0))
+print(jax.make_jaxpr(lambda x: log1pexp(x) * 2)(1.0).pretty_print(use_color=False))
 sigmoid_grad = gk.vjp_rule(lambda op, g: (g * jax.nn.sigmoid(op.inputs[0]),))
 print("plain JAX at 100:", jax.grad(log1pexp)(100.0))
 print("override at 100: ", jax.grad(gk.override(log1pexp, {"log1pexp": sigmoid_grad}))(100.0))
@@ -126,4 +126,4 @@ except gk.GradkitError as e:
 # is left as it was.
 
 # %%
-print(gk.override(loss, {"sqrt": safe_sqrt}).rewritten_jaxpr(x))
+print(gk.override(loss, {"sqrt": safe_sqrt}).rewritten_jaxpr(x).pretty_print(use_color=False))
