@@ -262,7 +262,7 @@ def ulp_error(a: np.ndarray, hi: np.ndarray, lo: np.ndarray, dtype: type) -> np.
         a = np.where(np.abs(a) < tiny, 0.0, a)
         ulp = np.spacing(np.maximum(np.abs(rd), tiny).astype(dtype)).astype(np.float64)
         err = np.abs((a - hi) - lo) / ulp
-    return np.where(a == hi, 0.0, err)
+    return np.where(np.isinf(a) & (a == hi), 0.0, err)
 
 
 @dataclasses.dataclass

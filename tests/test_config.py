@@ -174,6 +174,16 @@ def test_stable_rule_retargets_a_users_op():
     assert t["my_softplus"].key == ("gradkit", "stable", (("op", "softplus"),))
 
 
+def test_safe_rule_retargets_a_named_op_wrapping_a_primitive():
+    @gk.op("my_sqrt")
+    def my_sqrt(v):
+        return jnp.sqrt(v)
+
+    t = gk.RuleTable.from_dict({"my_sqrt": {"rule": "safe", "op": "sqrt"}})
+    f = gk.override(lambda v: jnp.sum(jnp.where(v > 0, my_sqrt(v), 0.0)), t)
+    np.testing.assert_array_equal(np.asarray(jax.grad(f)(jnp.array([0.0, 4.0]))), [0.0, 0.25])
+
+
 def test_library_listing_for_docs_and_cli():
     lib = tables.library()
     for name, rule in lib.items():

@@ -415,7 +415,7 @@ def _is_zero(t: Any) -> bool:
 
 
 def _struct(x: Any) -> jax.ShapeDtypeStruct:
-    aval = jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)
+    aval = compat.aval_of(x)
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
 
 

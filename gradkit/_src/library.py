@@ -62,7 +62,7 @@ def _const(x: jax.Array, v: float) -> jax.Array:
     return jnp.asarray(v, dtype=x.dtype)
 
 
-def _safe_unary(deriv: Callable[[OpView, jax.Array, jax.Array, jax.Array], jax.Array]):
+def _safe_unary(prim_name: str, deriv: Callable[[OpView, jax.Array, jax.Array, jax.Array], jax.Array]):
     """A VJP rule ``ct = g * deriv(...)`` evaluated at a guarded point, 0 where ``g == 0``."""
 
     def rule(op: OpView, g: jax.Array) -> tuple[jax.Array]:
@@ -72,8 +72,10 @@ def _safe_unary(deriv: Callable[[OpView, jax.Array, jax.Array, jax.Array], jax.A
         # The output is recomputed from the guarded input (not guarded itself), so
         # the formula has the same shape as JAX's and XLA simplifies it the same
         # way (e.g. 0.5 / sqrt(x) -> 0.5 * rsqrt(x) under jit).
-        prim = compat.primitive_by_name(op.name)
-        ans = compat.bind_primitive(prim, (xs,), dict(op.params))[0]
+        if op.name == prim_name:  # the primitive itself: same params (accuracy, ...)
+            ans = compat.bind_primitive(compat.primitive_by_name(prim_name), (xs,), dict(op.params))[0]
+        else:  # the rule retargeted to another op (a named op wrapping the primitive)
+            ans = getattr(lax, prim_name)(xs)
         return (_mask(z, deriv(op, gs, xs, ans)),)
 
     return rule
@@ -192,6 +194,7 @@ def _safe_pow(op: OpView, g: jax.Array) -> tuple[jax.Array, jax.Array]:
         if xf.shape != yf.shape:
             shape = jnp.broadcast_shapes(xf.shape, yf.shape)
             xf, yf = jnp.broadcast_to(xf, shape), jnp.broadcast_to(yf, shape)
+        # JAX's formula: select(y == 0, 0, replace_zero(y) * x^(y - 1))
         jac = jnp.where(yf == 0, jnp.zeros_like(yf),
                         jnp.where(yf == 0, jnp.ones_like(yf), yf) * lax.pow(xf, yf - jnp.ones_like(yf)))
         ct_y = None
@@ -205,18 +208,18 @@ def _safe_pow(op: OpView, g: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 #: primitive name -> VJP rule function.
 SAFE_RULES: dict[str, Callable[[OpView, Any], Any]] = {
-    "sqrt": _safe_unary(_sqrt),
-    "rsqrt": _safe_unary(_rsqrt),
-    "cbrt": _safe_unary(_cbrt),
-    "log": _safe_unary(_log),
-    "log1p": _safe_unary(_log1p),
-    "acos": _safe_unary(_acos),
-    "asin": _safe_unary(_asin),
-    "acosh": _safe_unary(_acosh),
-    "atanh": _safe_unary(_atanh),
-    "lgamma": _safe_unary(_lgamma),
-    "digamma": _safe_unary(_digamma),
-    "erf_inv": _safe_unary(_erf_inv),
+    "sqrt": _safe_unary("sqrt", _sqrt),
+    "rsqrt": _safe_unary("rsqrt", _rsqrt),
+    "cbrt": _safe_unary("cbrt", _cbrt),
+    "log": _safe_unary("log", _log),
+    "log1p": _safe_unary("log1p", _log1p),
+    "acos": _safe_unary("acos", _acos),
+    "asin": _safe_unary("asin", _asin),
+    "acosh": _safe_unary("acosh", _acosh),
+    "atanh": _safe_unary("atanh", _atanh),
+    "lgamma": _safe_unary("lgamma", _lgamma),
+    "digamma": _safe_unary("digamma", _digamma),
+    "erf_inv": _safe_unary("erf_inv", _erf_inv),
     "integer_pow": _safe_integer_pow,
     "mul": _safe_mul,
     "div": _safe_div,
