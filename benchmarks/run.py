@@ -274,12 +274,40 @@ def _torch_row(quick: bool, params: Any, x: Any, y: Any, ours_s: float) -> list[
                  ours_s / t["torch"], None)]
 
 
+def row_stable(quick: bool) -> list[dict[str, Any]]:
+    """value_and_grad of each stable function vs the naive formula and JAX's own, under jit."""
+    n = 100_000 if quick else 1_000_000
+    x = jnp.linspace(-20.0, 20.0, n, dtype=jnp.float32)
+    pos = jnp.linspace(1e-3, 20.0, n, dtype=jnp.float32)
+    s = gk.stable
+    cases = [  # name, gradkit, naive, JAX equivalent (or None), input
+        ("log1pexp", s.log1pexp, lambda x: jnp.log1p(jnp.exp(x)), jax.nn.softplus, x),
+        ("sigmoid", s.sigmoid, lambda x: 1 / (1 + jnp.exp(-x)), jax.nn.sigmoid, x),
+        ("log_sigmoid", s.log_sigmoid, lambda x: -jnp.log1p(jnp.exp(-x)), jax.nn.log_sigmoid, x),
+        ("silu", s.silu, lambda x: x / (1 + jnp.exp(-x)), jax.nn.silu, x),
+        ("log_cosh", s.log_cosh, lambda x: jnp.log(jnp.cosh(x)), None, x),
+        ("softplus_inverse", s.softplus_inverse, lambda x: jnp.log(jnp.expm1(x)), None, pos),
+        ("log1mexp", s.log1mexp, lambda x: jnp.log(-jnp.expm1(-x)), None, pos),
+        ("safe_sqrt", s.safe_sqrt, jnp.sqrt, None, pos),
+        ("sinc", s.sinc, lambda x: jnp.sin(jnp.pi * x) / (jnp.pi * x), jnp.sinc, pos),
+    ]
+    rows = []
+    for name, ours_f, naive_f, jax_f, inp in cases:
+        vg = {k: jax.jit(jax.value_and_grad(lambda v, f=f: jnp.sum(f(v))))
+              for k, f in (("ours", ours_f), ("naive", naive_f), ("jax", jax_f)) if f is not None}
+        t = interleaved({k: (lambda f=f: f(inp)) for k, f in vg.items()}, 5 if quick else 21, 3 if quick else 10)
+        rows.append(_row(f"stable.{name} value_and_grad", "naive formula", t["ours"] / t["naive"], 1.1))
+        if "jax" in t:
+            rows.append(_row(f"stable.{name} value_and_grad", "JAX equivalent", t["ours"] / t["jax"], 1.1))
+    return rows
+
+
 def _row(name: str, baseline: str, ratio: float, target: float | None, fmt: str = "ratio") -> dict[str, Any]:
     ok = None if target is None else bool(ratio <= target)
     return {"workload": name, "baseline": baseline, "ratio": float(ratio), "target": target, "pass": ok, "fmt": fmt}
 
 
-ROWS = [row_elementwise, row_mlp, row_scan, row_vmapped, row_tracing, row_table_size, row_eager_calls]
+ROWS = [row_elementwise, row_mlp, row_scan, row_vmapped, row_stable, row_tracing, row_table_size, row_eager_calls]
 
 
 def main(argv: list[str] | None = None) -> int:
