@@ -87,7 +87,7 @@ def test_toml_errors(tmp_path):
     ({"log": "os.system"}, r"unknown rule 'os.system'.*Valid rules"),
     ({"log": "__import__('os').system('true')"}, r"unknown rule"),
     ({"log": {"rule": "clamped_log", "epsilon": 1.0}}, r"no parameter `epsilon`.*Valid parameters: `eps`"),
-    ({"log": {"rule": "clamped_log", "eps": -1.0}}, r"`eps`.*must be > 0"),
+    ({"log": {"rule": "clamped_log", "eps": -1.0}}, r"`eps`.*must be a finite number > 0"),
     ({"log": {"rule": "clamped_log", "eps": True}}, r"`eps`.*must be a number"),
     ({"log": {"rule": "clamped_log", "eps": "1e-3"}}, r"`eps`.*must be a number"),
     ({"f": {"rule": "scale_gradient"}}, r"needs parameter `scale`"),
@@ -189,3 +189,8 @@ def test_library_listing_for_docs_and_cli():
     for name, rule in lib.items():
         assert rule.name == name and rule.doc and rule.signature().startswith(name + "(")
     assert lib["clip_gradient"].signature() == "clip_gradient(lo: float = -inf, hi: float = inf)"
+
+
+def test_clamp_parameters_must_be_finite():
+    with pytest.raises(gk.GradkitError, match=r"^\[gradkit\].*`eps`.*finite number > 0"):
+        gk.RuleTable.from_dict({"log": {"rule": "clamped_log", "eps": float("inf")}})

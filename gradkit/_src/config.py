@@ -84,6 +84,9 @@ def table_from_toml(path: str | os.PathLike[str]) -> RuleTable:
             text = f.read()
     except OSError as e:
         raise GradkitError(f"cannot read rule config {path}: {e.strerror or e}.") from None
+    except UnicodeDecodeError as e:
+        raise GradkitError(f"rule config {path} is not UTF-8 text ({e.reason} at byte {e.start}); "
+                           "TOML files must be UTF-8.") from None
     data = _load_toml(text, path)
     tool = data.get("tool")
     if isinstance(tool, Mapping) and isinstance(tool.get("gradkit"), Mapping) and "rules" in tool["gradkit"]:

@@ -524,7 +524,7 @@ class LibraryRule:
 
 
 def _positive(v: float) -> str | None:
-    return None if v > 0 else "must be > 0"
+    return None if 0 < v < math.inf else "must be a finite number > 0"
 
 
 def _finite(v: float) -> str | None:
