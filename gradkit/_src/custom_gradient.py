@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gradkit._src import compat, named
+from gradkit._src import compat, named, validate
 from gradkit._src.errors import GradkitError, describe
 from gradkit._src.rule import OpView, Rule
 
@@ -291,34 +291,7 @@ def _align(info: _Fn, value: Any, refs: Sequence[Any], labels: Sequence[str], wh
 
 
 def _match(info: _Fn, value: Any, ref: Any, label: str, what: str) -> list[Any]:
-    ref_leaves = jax.tree_util.tree_leaves(ref)
-    if value is None:
-        return [None] * len(ref_leaves)
-    got: list[Any] = []
-
-    def visit(v: Any, r: Any) -> None:
-        r_leaves = jax.tree_util.tree_leaves(r)
-        if v is None:
-            got.extend([None] * len(r_leaves))
-        elif len(r_leaves) == 1 and r_leaves[0] is r:
-            got.append(v)
-        else:
-            raise GradkitError(
-                f"{info.where}: the {what} for {label} has a single value {_summary(v)} where {label} has "
-                f"the structure {jax.tree_util.tree_structure(r)}. Return the same structure (None allowed "
-                "for any part).")
-
-    try:
-        jax.tree_util.tree_map(visit, value, ref, is_leaf=lambda x: x is None)
-    except GradkitError:
-        raise
-    except (ValueError, TypeError) as e:
-        raise GradkitError(
-            f"{info.where}: the {what} for {label} has the structure "
-            f"{jax.tree_util.tree_structure(value, is_leaf=lambda x: x is None)}, but {label} has "
-            f"{jax.tree_util.tree_structure(ref)}. Return the same structure (None allowed for any "
-            "part).") from e
-    return got
+    return validate.match_leaves(value, ref, info.where, what, label)
 
 
 def _check(info: _Fn, value: Any, like: Any, label: str, what: str) -> Any:

@@ -66,13 +66,23 @@ def align(rule: Rule, op: OpView, value: Any, like: tuple[Any, ...], what: str) 
 
 
 def _align_one(rule: Rule, op: OpView, value: Any, ref: Any, what: str, where: str) -> list[Any]:
-    ref_leaves = jax.tree_util.tree_leaves(ref)
-    if value is None:
-        return [None] * len(ref_leaves)
-    if len(ref_leaves) == 1 and ref_leaves[0] is ref and not isinstance(value, (tuple, list, dict)):
+    if value is not None and not isinstance(value, (tuple, list, dict)) and len(jax.tree_util.tree_leaves(ref)) == 1 \
+            and jax.tree_util.tree_leaves(ref)[0] is ref:
         # A single array input and no container: the value is its one leaf, and
         # check_leaf says what is wrong with it (no tree_map over, e.g., a generator).
         return [value]
+    return match_leaves(value, ref, _where(rule, op), what, where)
+
+
+def match_leaves(value: Any, ref: Any, where: str, what: str, label: str) -> list[Any]:
+    """``value``'s entries aligned with ``ref``'s leaves; ``None`` stands for any subtree.
+
+    ``where`` (what is being checked: the rule and op, or the function) and
+    ``label`` (which input) go into the error message.
+    """
+    ref_leaves = jax.tree_util.tree_leaves(ref)
+    if value is None:
+        return [None] * len(ref_leaves)
     got: list[Any] = []
 
     def visit(v: Any, r: Any) -> None:
@@ -83,9 +93,9 @@ def _align_one(rule: Rule, op: OpView, value: Any, ref: Any, what: str, where: s
             got.append(v)
         else:
             raise GradkitError(
-                f"{_where(rule, op)}: the {what} for {where} has a leaf {describe(v)} where the input "
-                f"has a subtree {jax.tree_util.tree_structure(r)}. Match the input's structure, or use "
-                "None for the whole subtree.")
+                f"{where}: the {what} for {label} has a leaf {describe(v)} where the input has a subtree "
+                f"{jax.tree_util.tree_structure(r)}. Match the input's structure, or use None for the whole "
+                "subtree.")
 
     try:
         jax.tree_util.tree_map(visit, value, ref, is_leaf=lambda x: x is None)
@@ -93,11 +103,9 @@ def _align_one(rule: Rule, op: OpView, value: Any, ref: Any, what: str, where: s
         raise
     except (ValueError, TypeError) as e:
         raise GradkitError(
-            f"{_where(rule, op)}: the {what} for {where} has structure "
+            f"{where}: the {what} for {label} has structure "
             f"{jax.tree_util.tree_structure(value, is_leaf=lambda x: x is None)} but the input has "
             f"{jax.tree_util.tree_structure(ref)}. Return the same structure (None allowed anywhere).") from e
-    if len(got) != len(ref_leaves):  # pragma: no cover - tree_map guarantees this
-        raise GradkitError(f"{_where(rule, op)}: the {what} for {where} does not match the input's structure.")
     return got
 
 
