@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax._src import source_info_util as _siu
 from jax._src import traceback_util as _tbu
 from jax.extend import core as jex_core
@@ -198,20 +199,26 @@ def bind_shard_map(eqn: JaxprEqn, invals: Sequence[Any], body: Callable[..., Any
     return list(mapped(*invals))
 
 
+def _fallback_trace_context() -> Any:  # pragma: no cover - a JAX without config.trace_context
+    return (jax.config.jax_enable_x64, jax.config.jax_numpy_dtype_promotion,
+            jax.config.jax_default_matmul_precision, jax.config.jax_numpy_rank_promotion)
+
+
+try:
+    from jax._src.config import trace_context as _jax_trace_context
+except ImportError:  # pragma: no cover
+    _jax_trace_context = _fallback_trace_context
+
+
 def trace_context() -> Any:
     """Hashable snapshot of the JAX config that changes what tracing produces.
 
     The same key ``jax.jit`` caches on (x64, dtype promotion, matmul precision,
     PRNG implementation, the vmap axis environment, ...), so an overridden
-    function re-traces exactly when a jitted one would.
+    function re-traces exactly when a jitted one would. Called on every call of
+    an overridden function: keep it cheap.
     """
-    try:
-        from jax._src import config as _config
-
-        return _config.trace_context()
-    except (ImportError, AttributeError):  # pragma: no cover - older/newer JAX without it
-        return (jax.config.jax_enable_x64, jax.config.jax_numpy_dtype_promotion,
-                jax.config.jax_default_matmul_precision, jax.config.jax_numpy_rank_promotion)
+    return _jax_trace_context()
 
 
 def float0_zeros(shape: tuple[int, ...]) -> Any:
@@ -314,6 +321,17 @@ def aval_of(x: Any) -> Any:
     if hasattr(jax, "typeof"):  # jax >= 0.6
         return jax.typeof(x)
     return jax.core.get_aval(x)  # pragma: no cover - older JAX
+
+
+def aval_key(x: Any) -> tuple[Any, ...]:
+    """``(shape, dtype, weak_type)`` of an array or tracer, cheaply (on every overridden call)."""
+    if isinstance(x, (np.ndarray, np.generic)):
+        return (x.shape, x.dtype, False)
+    weak = getattr(x, "weak_type", None)  # concrete jax.Array
+    if weak is None:
+        aval = aval_of(x)
+        return (tuple(aval.shape), aval.dtype, getattr(aval, "weak_type", False))
+    return (x.shape, x.dtype, weak)
 
 
 def is_weakly_typed(x: Any) -> bool:

@@ -300,8 +300,7 @@ def _is_array(x: Any) -> bool:
 
 
 def _aval_key(x: Any) -> tuple[Any, ...]:
-    aval = compat.aval_of(x)
-    return (tuple(aval.shape), aval.dtype, getattr(aval, "weak_type", False))
+    return compat.aval_key(x)
 
 
 def _static_key(x: Any) -> Any:
@@ -337,12 +336,23 @@ class Overridden:
         return self._table
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # The hot path of every call: one pass over the leaves builds the key.
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-        dyn_pos = tuple(i for i, x in enumerate(leaves) if _is_array(x))
-        dyn = [leaves[i] for i in dyn_pos]
-        statics = tuple(None if i in dyn_pos else x for i, x in enumerate(leaves))
-        key = (treedef, dyn_pos, tuple(map(_aval_key, dyn)), tuple(map(_static_key, statics)),
-               compat.trace_context())
+        dyn_pos_l: list[int] = []
+        dyn: list[Any] = []
+        statics_l: list[Any] = []
+        parts: list[Any] = [treedef, compat.trace_context()]
+        for i, x in enumerate(leaves):
+            if _is_array(x):
+                dyn_pos_l.append(i)
+                dyn.append(x)
+                statics_l.append(None)
+                parts.append(compat.aval_key(x))
+            else:
+                statics_l.append(x)
+                parts.append(_static_key(x))
+        dyn_pos, statics = tuple(dyn_pos_l), tuple(statics_l)
+        key = tuple(parts)
         try:
             entry = self._cache.get(key)
         except TypeError:
