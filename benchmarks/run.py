@@ -166,7 +166,11 @@ def row_table_size(quick: bool) -> list[dict[str, Any]]:
     x = jnp.ones(4, jnp.float32)
     t = interleaved({"big": lambda: gk.override(_chain(n), big).rewritten_jaxpr(x),
                      "small": lambda: gk.override(_chain(n), small).rewritten_jaxpr(x)}, 3 if quick else 9)
-    return [_row("trace with 10,000-rule table", "10-rule table", t["big"] / t["small"], 1.05)]
+    none = gk.RuleTable({f"no_op_{i}": rule for i in range(10_000)})
+    t0 = interleaved({"none": lambda: jax.make_jaxpr(gk.override(_chain(n), none))(x),
+                      "empty": lambda: jax.make_jaxpr(gk.override(_chain(n), {}))(x)}, 3 if quick else 9)
+    return [_row("trace with 10,000-rule table", "10-rule table", t["big"] / t["small"], 1.05),
+            _row("trace, 10,000 rules matching nothing", "empty table", t0["none"] / t0["empty"], 1.05)]
 
 
 def row_eager_calls(quick: bool) -> list[dict[str, Any]]:
