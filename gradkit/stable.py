@@ -5,7 +5,7 @@ target it by name, built around a ``jax.custom_jvp``, so forward mode,
 ``jax.hessian`` and every higher order work. Derivatives are written with
 accurate kernels (``gradkit/_src/numerics.py``): on XLA:CPU the elementwise
 gradients have no non-finite value where the true derivative is finite, and
-are within 2 ULP over the whole float32 range, except sigmoid, silu and hypot
+are within 2 ULP over the whole float32 range, except silu and hypot
 (up to 2.3 ULP: XLA's ``exp`` alone is off by 0.84 ULP) and sinc next to the
 zeros of its derivative (an error relative to a value near 0).
 ``benchmarks/accuracy.py`` measures all of them against mpmath.
@@ -114,8 +114,13 @@ def _static_axis(axis: Any) -> Any:
 
 
 @jax.custom_jvp
+@_k._lowp  # exp(80) overflows float16
 def _log1pexp(x):
-    return jnp.maximum(x, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(x)))
+    # log1p(e^x) > x, and rounds to x once e^x is capped (x > 80). The exp is
+    # the one of the derivative _k.sigmoid(x) = q / (1 + q): XLA evaluates it
+    # once, sums max(x, log1p(q)) in one fused reduction and reads only q for
+    # the derivative.
+    return jnp.maximum(x, jnp.log1p(_k.sigmoid_exp(x)))
 
 
 @_log1pexp.defjvp
@@ -130,8 +135,10 @@ def log1pexp(x: ArrayLike) -> Array:
 
     Naive: ``jnp.log(1 + jnp.exp(x))`` overflows for ``x > 88.7`` (float32),
     and its gradient ``exp(x) / (1 + exp(x))`` is ``inf/inf = NaN`` there.
-    This computes ``max(x, 0) + log1p(exp(-|x|))`` and its derivative as
-    ``sigmoid(x)`` (never ``exp(x)/(1+exp(x))``), within 2 ULP in float32.
+    This computes ``max(x, log1p(exp(min(x, 80))))`` (``log1p(e^x) > x``,
+    and it rounds to ``x`` long before ``e^x`` is capped) and its derivative
+    as ``sigmoid(x) = q / (1 + q)`` from the same ``q = exp(min(x, 80))``
+    (never ``exp(x)/(1+exp(x))`` uncapped), within 2 ULP in float32.
     ``softplus`` is the same function.
 
     Args:
@@ -155,8 +162,9 @@ softplus = log1pexp
 
 
 @jax.custom_jvp
+@_k._lowp
 def _log_sigmoid(x):
-    return jnp.minimum(x, 0.0) - jnp.log1p(jnp.exp(-jnp.abs(x)))
+    return jnp.minimum(x, -jnp.log1p(_k.sigmoid_exp(-x)))  # -log1pexp(-x), as _log1pexp
 
 
 @_log_sigmoid.defjvp
@@ -171,7 +179,7 @@ def log_sigmoid(x: ArrayLike) -> Array:
 
     Naive: ``jnp.log(1 / (1 + jnp.exp(-x)))`` is ``-inf`` for ``x < -88.7``
     (float32) with a NaN gradient. This computes
-    ``min(x, 0) - log1p(exp(-|x|))``; the derivative is ``sigmoid(-x)``.
+    ``min(x, -log1p(exp(min(-x, 80))))``; the derivative is ``sigmoid(-x)``.
 
     Examples:
       >>> import jax, gradkit as gk
@@ -182,6 +190,24 @@ def log_sigmoid(x: ArrayLike) -> Array:
     return _log_sigmoid(x)
 
 
+@jax.custom_jvp
+@_k._lowp
+def _sigmoid(x):
+    # sigmoid from the exp(-|x|) of its derivative _k.sigmoid_prime (XLA
+    # evaluates it once), with a select: XLA:CPU then sums the values in a
+    # plain reduction instead of pulling the division into a YNNPACK fusion
+    # that materializes its operands (1 + e among them, shared with the
+    # derivative). Equal to _k.sigmoid(x) within its rounding.
+    e = jnp.exp(-jnp.abs(x))
+    return jnp.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+@_sigmoid.defjvp
+def _sigmoid_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    return _sigmoid(x), t * _k.sigmoid_prime(x)
+
+
 @_op("sigmoid")
 def sigmoid(x: ArrayLike) -> Array:
     """``1 / (1 + exp(-x))`` with an accurate derivative.
@@ -189,8 +215,9 @@ def sigmoid(x: ArrayLike) -> Array:
     Naive: the textbook derivative ``s * (1 - s)`` (what ``jax.nn.sigmoid``
     uses by default) cancels for large ``x``: in float32 ``1 - s`` is 0 from
     ``x ≈ 17`` while the true derivative is ``exp(-x)``, an error of up to
-    ~1e7 ULP. This computes the derivative as ``1 / (e^|x| + 2 + e^-|x|)``
-    (``sigmoid(x) sigmoid(-x)`` without cancellation), within about 2 ULP.
+    ~1e7 ULP. This computes the derivative as ``e / (1 + e (2 + e))``,
+    ``e = exp(-|x|)`` (``sigmoid(x) sigmoid(-x)`` without cancellation,
+    from the one ``exp`` the value uses too), within 2 ULP.
 
     Examples:
       >>> import jax, gradkit as gk
@@ -198,7 +225,7 @@ def sigmoid(x: ArrayLike) -> Array:
       (0.0, True)
     """
     (x,) = _k.as_inexact(x)
-    return _k.sigmoid(x)
+    return _sigmoid(x)
 
 
 # silu'(x) = sigmoid'(x) (1 + x + e^x) for x < 0; the root of 1 + x + e^x is
@@ -206,29 +233,40 @@ def sigmoid(x: ArrayLike) -> Array:
 # has no cancellation near the root (silu's minimum).
 _SILU_ROOT = "-1.27846454276107379510935873902298015543947748861974576545318"
 _SILU_EXP_ROOT = "0.278464542761073795109358739022980155439477488619745765453178"
+_SILU_FAR = -64.0  # below, e^x underflows before x e^x does: silu uses e^(x + 64) e^-64
+_SILU_NEAR = 0.25  # |x - r| below which 1 + x + e^x is taken around its root
+
+
+def _silu_exp(x):
+    """``(e, far)``: ``e = exp(-|x|)``, except ``exp(x + 64)`` where ``far = x < -64``.
+
+    The one ``exp`` of silu's value and derivative: both build it from the
+    same expression, so XLA evaluates it once.
+    """
+    far = x < _SILU_FAR
+    return jnp.exp(jnp.where(far, x - _SILU_FAR, -jnp.abs(x))), far
 
 
 @jax.custom_jvp
 def _silu_prime(x):
-    fin = jnp.isfinite(x)
-    xs = jnp.where(fin, x, 0.0)
-    # x < 0: silu' = E g / (1 + E)^2 with E = e^x and g = 1 + x + E. Near g's
-    # root use g = d + e^r expm1(d), d = x - r (no cancellation); elsewhere
-    # 1 + x is exact (|x| >= 2) or g has no cancellation.
+    e, far = _silu_exp(x)
+    # With e = exp(-|x|): silu' = (1 + e (1 + x)) / (1 + e)^2 for x >= 0 and
+    # e g / (1 + e)^2, g = 1 + x + e, for x < 0; no cancellation except in g.
+    # Within 1/4 of g's root use g = d + e^r expm1(d), d = x - r (a short
+    # series); elsewhere 1 + x is exact (|x| >= 2) or the rounding of e moves
+    # g by under one of its ULPs. Infinite x are clamped (then e = 0 gives
+    # the limits 1 and 0 without 0 * inf); every branch is finite, so one
+    # division serves them all.
+    x = jnp.clip(x, -1e4, 1e4)
     r_hi, r_lo = _split(_SILU_ROOT, x.dtype)
     e_r = float(Fraction(Decimal(_SILU_EXP_ROOT)))
-    d = lax.optimization_barrier(xs - r_hi) - r_lo  # XLA would fold the two constants into one
-    near_root = (xs > -2.0) & (xs < -0.625)
-    e = jnp.exp(jnp.minimum(xs, 0.0))
-    g = jnp.where(near_root, d + e_r * _k.expm1(d), (1.0 + xs) + e)
-    neg = (e * g) / (1.0 + e * (2.0 + e))
-    # Below -64, e^x underflows before e^x g does: scale by e^64.
-    far = xs < -64.0
-    xf = jnp.where(far, xs, -64.0)
-    neg = jnp.where(far, (jnp.exp(xf + 64.0) * jnp.where(far, g, 1.0)) * float(np.exp(-64.0)), neg)
-    pos = _k.sigmoid(xs) + xs * _k.sigmoid_prime(xs)
-    out = jnp.where(xs < 0, neg, pos)
-    return jnp.where(fin, out, jnp.where(x > 0, 1.0, jnp.where(x < 0, 0.0, x)))
+    d = lax.optimization_barrier(x - r_hi) - r_lo  # XLA would fold the two constants into one
+    xp1 = 1.0 + x
+    g = jnp.where(jnp.abs(d) < _SILU_NEAR, d + e_r * _k.expm1_series(d, _SILU_NEAR), xp1 + e)
+    num = jnp.where(x < 0, e * g, 1.0 + e * xp1)
+    out = num / (1.0 + e * (2.0 + e))
+    # Below -64: silu' = e^x (1 + x) to float precision, with e = e^(x + 64).
+    return jnp.where(far, (e * xp1) * float(np.exp(_SILU_FAR)), out)
 
 
 @_silu_prime.defjvp
@@ -243,10 +281,9 @@ def _silu_prime_jvp(primals, tangents):
 
 @jax.custom_jvp
 def _silu(x):
-    # Below -64, sigmoid(x) = e^x underflows before x e^x does: scale by e^64.
-    far = x < -64.0
-    xf = jnp.where(far, x, -64.0)
-    return jnp.where(far, (xf * jnp.exp(xf + 64.0)) * float(np.exp(-64.0)), x * _k.sigmoid(x))
+    e, far = _silu_exp(x)
+    s = jnp.where(x >= 0, 1.0, e) / (1.0 + e)  # sigmoid(x), as _k.sigmoid computes it
+    return jnp.where(far, (x * e) * float(np.exp(_SILU_FAR)), x * s)
 
 
 @_silu.defjvp
@@ -576,18 +613,45 @@ def xlog1py(x: ArrayLike, y: ArrayLike) -> Array:
 # =========================================================================== log(1 - exp)
 
 
+@_k._lowp
+def _expm1_recip(x):
+    """``1 / expm1(x)`` (log1mexp's derivative): ``1/y`` with ``y`` a Taylor series of ``expm1`` below
+    ``log 2``, ``e / (1 - e)`` with ``e = exp(-x)`` (``1 - e`` in [1/2, 1), no cancellation) above."""
+    small = jnp.abs(x) < _LN2
+    y = _k.expm1_series(jnp.where(small, x, 0.0), _LN2)
+    e = jnp.exp(-jnp.maximum(x, -80.0))  # finite: g = -1 below -80 instead of inf/inf
+    g = jnp.where(small, 1.0, e) / jnp.where(small, y, 1.0 - e)
+    # x < 0: 1/expm1(x) < -1, but it rounds to -1 from x = -17 (float32) on;
+    # keep it below -1 there, so that log1mexp = -log1p(g) is NaN as well.
+    below = float(np.nextafter(np.array(-1.0, x.dtype), np.array(-2.0, x.dtype)))
+    return jnp.where(x < 0, jnp.minimum(g, below), g)
+
+
 @jax.custom_jvp
+@_k._lowp
 def _log1mexp(x):
-    small = x < _LN2
-    xs = jnp.where(small, x, _LN2)
-    xb = jnp.where(small, _LN2, x)
-    return jnp.where(small, jnp.log(-_k.expm1(-xs)), _k.log1p(-jnp.exp(-xb)))
+    # log(1 - e^-x) = -log1p(1 / expm1(x)): the value from the derivative, so
+    # XLA computes it once and sums log1p of it in one fused reduction. log1p
+    # damps the derivative's error (its condition number is below 1).
+    return -jnp.log1p(_expm1_recip(x))
+
+
+@jax.custom_jvp
+def _log1mexp_slope(x):
+    return _expm1_recip(x)
+
+
+@_log1mexp_slope.defjvp
+def _log1mexp_slope_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    s = _log1mexp_slope(x)
+    return s, -t * (s * (1.0 + s))  # (1/expm1)' = -e^x / expm1^2 = -s (1 + s)
 
 
 @_log1mexp.defjvp
 def _log1mexp_jvp(primals, tangents):
     (x,), (t,) = primals, tangents
-    return _log1mexp(x), t / _k.expm1(x)
+    return _log1mexp(x), t * _log1mexp_slope(x)
 
 
 @_op("log1mexp")
@@ -596,9 +660,11 @@ def log1mexp(x: ArrayLike) -> Array:
 
     Naive: ``jnp.log(1 - jnp.exp(-x))`` cancels for small ``x`` (``1e-8``
     gives ``-inf`` in float32) and loses ``exp(-x)`` for large ``x``. This
-    uses Mächler's rule (``log(-expm1(-x))`` below ``log 2``,
-    ``log1p(-exp(-x))`` above); the derivative is ``1 / expm1(x)``, finite
-    for every ``x > 0`` and ``+inf`` at 0.
+    computes the derivative ``g = 1 / expm1(x)`` without cancellation (a
+    Taylor series of ``expm1`` below ``log 2``, ``e^-x / (1 - e^-x)`` above)
+    and the value as ``-log1p(g)`` (``1 - e^-x = 1 / (1 + g)``; well
+    conditioned for every ``x > 0``). ``g`` is finite for every ``x > 0`` and
+    ``+inf`` at 0.
 
     Examples:
       >>> import jax, gradkit as gk
@@ -681,12 +747,18 @@ def _log_cosh(x):
     a = jnp.abs(x)
     small = a < 1.0
     s = jnp.where(small, a, 0.0)
-    e = _k.expm1(0.5 * s)
+    e = _k.expm1_series(0.5 * s, 0.5)
     sinh_half = 0.5 * (e + e / (e + 1.0))
-    near = jnp.log1p(2.0 * sinh_half * sinh_half)
-    b = jnp.where(small, 1.0, a)
-    far = b + jnp.log1p(0.5 * _k.expm1(-2.0 * b))
-    return jnp.where(small, near, far)
+    # |x| >= 1: |x| + log1p(expm1(-2|x|)/2), with expm1(-2|x|) = exp(-2|x|) - 1
+    # (|2x| >= 2), the exp that _k.tanh evaluates for the derivative. One
+    # log1p serves both branches, and |x| is added as b sign(floor(b)),
+    # b = max(x, -x) (|x| where |x| >= 1, else 0): no select and nothing
+    # shared with the derivative, so XLA:CPU sums the values in one fused
+    # (YNNPACK) reduction, log1p included, reading only x and the argument.
+    e2 = jnp.exp(-2.0 * a)
+    lg = jnp.log1p(jnp.where(small, 2.0 * sinh_half * sinh_half, 0.5 * (e2 - 1.0)))
+    b = jnp.maximum(x, -x)
+    return lg + b * jnp.sign(jnp.floor(b))
 
 
 @_log_cosh.defjvp
@@ -726,8 +798,11 @@ def _safe_sqrt(x):
 @_safe_sqrt.defjvp
 def _safe_sqrt_jvp(primals, tangents):
     (x,), (t,) = primals, tangents
-    pos = x > 0
-    return _safe_sqrt(x), t * jnp.where(pos, 0.5 / jnp.sqrt(_where0(pos, x)), 0.0)
+    # From the value, as jnp.sqrt's rule: y > 0 exactly where x > 0, and
+    # XLA computes sqrt once (no second pass over x for rsqrt(x)).
+    y = _safe_sqrt(x)
+    pos = y > 0
+    return y, t * jnp.where(pos, 0.5 / _where0(pos, y), 0.0)
 
 
 @_op("safe_sqrt")
@@ -737,7 +812,10 @@ def safe_sqrt(x: ArrayLike) -> Array:
     Naive: ``jnp.sqrt`` has derivative ``0.5 / sqrt(0) = inf`` at 0, which
     becomes NaN as soon as it meets a zero cotangent (``jnp.where(x > 0,
     jnp.sqrt(x), 0)``, norms of zero vectors, distances between equal
-    points). Elsewhere it is ``jnp.sqrt``, bit for bit, value and gradient.
+    points). Elsewhere it is ``jnp.sqrt``, bit for bit: the value, and the
+    derivative ``0.5 / y`` computed from the value ``y`` as ``jnp.sqrt``'s
+    rule does (XLA may rewrite ``jnp.sqrt``'s, when the value is not needed,
+    to ``0.5 * rsqrt(x)``, which can differ in the last bit).
 
     Examples:
       >>> import jax, gradkit as gk

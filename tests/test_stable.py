@@ -152,6 +152,80 @@ def test_unary_jit_and_vmap_agree_with_eager(name):
     np.testing.assert_array_equal(np.asarray(fn(xs)), eager_v)
 
 
+# Where the formulas change branch or scheme: silu's root window (|x - r| = 1/4), log_cosh and
+# sinc's series cuts, log1mexp's log 2, the exp caps (80) and silu's scaled tail (-64), sinc next to
+# integers and half-integers (its cospi is sin(pi (1/2 - r))).
+BRANCH_POINTS = {
+    "silu": [-1.2784645, -1.2784646, -1.2784644, -1.0284646, -1.0284645, -1.5284646, -1.5284647, -1.53, -1.02,
+             -63.999996, -64.0, -64.00001, -87.0, -90.0, -103.0],
+    "log_cosh": [0.99999994, 1.0, 1.0000001, -0.99999994, -1.0, 0.62499994, 0.625, 1e-20, 30.0],
+    "log1mexp": [0.6931471, 0.6931472, 0.69314724, 1e-30, 1e-3, 17.0, 40.0, 79.99999, 80.0, 80.00001, 87.0],
+    "log1pexp": [79.99999, 80.0, 80.00001, 87.0, 88.72, 89.0, -80.0, -87.0, -90.0, -103.0],
+    "log_sigmoid": [-79.99999, -80.0, -80.00001, -87.0, -89.0, 80.0, 87.0, 90.0, 103.0],
+    "sigmoid": [17.0, 80.0, 87.0, -87.0, 88.0],
+    "sinc": [0.01, 0.009999999, 0.49999997, 0.5, 2.001, 1.999, 2.25, 2.2500002, 3.75, 1e6 + 0.25, 1e6 + 0.125],
+    "safe_sqrt": [1.1754944e-38, 2.5, 3e38],
+}
+
+
+@pytest.mark.parametrize("name", sorted(BRANCH_POINTS))
+def test_unary_values_and_gradients_at_branch_points(name):
+    for x in BRANCH_POINTS[name]:
+        _check_point(name, x)
+        _check_point(name, -x if name == "sinc" else x, np.float32)
+
+
+@pytest.mark.parametrize("name", sorted(UNARY))
+def test_value_and_grad_under_jit_match_separate_calls(name):
+    """The value and derivative share subexpressions (one exp); computed together they agree with each alone."""
+    fn = UNARY[name][0]
+    xs = np.concatenate([np.linspace(-30, 30, 2001), np.asarray([x for x in EXTREMES if np.isfinite(x)])])
+    xs = xs.astype(np.float32)
+    total, g = jax.jit(jax.value_and_grad(lambda v: jnp.sum(jnp.where(jnp.isfinite(fn(v)), fn(v), 0.0))))(xs)
+    vals = np.asarray(jax.jit(jax.vmap(fn))(xs), np.float64)
+    finite = np.isfinite(vals)
+    assert abs(float(total) - np.sum(vals[finite])) <= 1e-5 * np.sum(np.abs(vals[finite]))
+    g_alone = np.asarray(jax.jit(jax.vmap(jax.grad(fn)))(xs))
+    g = np.asarray(g)
+    ok = finite & np.isfinite(g_alone)
+    assert np.all(np.isfinite(g[ok]))
+    assert max(_ulps(a, b, np.float32) for a, b in zip(g[ok], g_alone[ok])) <= 1.0
+
+
+def test_limits_at_infinities_and_nan():
+    """Infinite inputs give the limits (the formulas clamp or cap there rather than branch); NaN stays NaN."""
+    limits = {  # name: (f(-inf), f(inf), f'(-inf), f'(inf)); None: not asserted
+        "log1pexp": (0.0, INF, 0.0, 1.0),
+        "log_sigmoid": (-INF, 0.0, 1.0, 0.0),
+        "sigmoid": (0.0, 1.0, 0.0, 0.0),
+        "silu": (None, INF, 0.0, 1.0),
+        "log_cosh": (INF, INF, -1.0, 1.0),
+        "log1mexp": (None, 0.0, None, 0.0),
+        "softplus_inverse": (None, INF, None, 1.0),
+        "safe_sqrt": (0.0, INF, 0.0, 0.0),
+        "sinc": (0.0, 0.0, 0.0, 0.0),
+    }
+    for name, expected in limits.items():
+        fn = UNARY[name][0]
+        got = (fn(-INF), fn(INF), jax.grad(fn)(-INF), jax.grad(fn)(INF))
+        for e, v in zip(expected, got):
+            if e is not None:
+                assert float(v) == e, (name, expected, [float(v) for v in got])
+        assert np.isnan(float(fn(jnp.nan))), name
+        if name != "safe_sqrt":  # its derivative is 0 wherever x > 0 is false
+            assert np.isnan(float(jax.grad(fn)(jnp.nan))), name
+
+
+def test_log1mexp_domain():
+    """NaN below 0 (the value is -log1p(1/expm1(x)), and 1/expm1(x) rounds to -1 from x = -17 on)."""
+    xs = jnp.asarray([-1e-30, -1e-3, -0.7, -17.0, -20.0, -100.0, -1e30, -INF], jnp.float32)
+    assert np.all(np.isnan(np.asarray(st.log1mexp(xs))))
+    assert float(st.log1mexp(-0.0)) == -INF
+    assert float(jax.grad(st.log1mexp)(0.0)) == INF
+    for dtype in (jnp.float16, jnp.bfloat16):
+        assert np.all(np.isnan(np.asarray(st.log1mexp(xs[1:].astype(dtype)), np.float32)))
+
+
 def test_pinned_values():
     assert float(jax.grad(st.log1pexp)(0.0)) == 0.5
     assert float(jax.grad(st.softplus)(jnp.inf)) == 1.0
