@@ -329,6 +329,7 @@ class Overridden:
         self._cache: dict[Any, _Entry] = {}
         self._lock = threading.Lock()
         self.trace_count = 0
+        self._eager = jax.jit(lambda *a, **k: self._call(*jax.tree_util.tree_flatten((a, k))))
         functools.update_wrapper(self, fn)
 
     @property
@@ -336,8 +337,15 @@ class Overridden:
         return self._table
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # The hot path of every call: one pass over the leaves builds the key.
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+        if leaves and all(isinstance(x, jax.Array) and not isinstance(x, compat.Tracer) for x in leaves):
+            # Eager call with arrays only: dispatch through jax.jit's C++ fast path;
+            # its trace lands in _call below (inlined), once per signature.
+            return self._eager(*args, **kwargs)
+        return self._call(leaves, treedef)
+
+    def _call(self, leaves: list[Any], treedef: Any) -> Any:
+        # The hot path of every call: one pass over the leaves builds the key.
         dyn_pos_l: list[int] = []
         dyn: list[Any] = []
         statics_l: list[Any] = []
