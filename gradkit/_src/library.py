@@ -415,32 +415,27 @@ def _zero(params: Mapping[str, Any], op_name: str) -> Rule:
     return Rule(lambda op, tangents: None, mode="jvp", name="gradkit.zero")
 
 
-def _clamped_log(params: Mapping[str, Any], op_name: str) -> Rule:
-    eps = params.get("eps")
+def _clamped(name: str, jvp: Callable[[Any, jax.Array], Any]) -> Callable[[Mapping[str, Any], str], Rule]:
+    """A JVP rule ``jvp(t, max(x, eps))``: the derivative evaluated at a clamped input."""
 
-    def rule(op: OpView, tangents):
-        x = op.inputs[0]
-        t = tangents[0]
-        if t is None:
-            return None
-        e = float(jnp.finfo(jnp.result_type(x)).tiny) if eps is None else eps
-        return t / jnp.maximum(x, jnp.asarray(e, jnp.result_type(x)))
+    def factory(params: Mapping[str, Any], op_name: str) -> Rule:
+        eps = params.get("eps")
 
-    return Rule(rule, mode="jvp", name="gradkit.clamped_log")
+        def rule(op: OpView, tangents):
+            x, t = op.inputs[0], tangents[0]
+            if t is None:
+                return None
+            dtype = jnp.result_type(x)
+            e = float(jnp.finfo(dtype).tiny) if eps is None else eps
+            return jvp(t, jnp.maximum(x, jnp.asarray(e, dtype)))
+
+        return Rule(rule, mode="jvp", name=f"gradkit.{name}")
+
+    return factory
 
 
-def _clamped_sqrt(params: Mapping[str, Any], op_name: str) -> Rule:
-    eps = params.get("eps")
-
-    def rule(op: OpView, tangents):
-        x = op.inputs[0]
-        t = tangents[0]
-        if t is None:
-            return None
-        e = float(jnp.finfo(jnp.result_type(x)).tiny) if eps is None else eps
-        return t * (0.5 / jnp.sqrt(jnp.maximum(x, jnp.asarray(e, jnp.result_type(x)))))
-
-    return Rule(rule, mode="jvp", name="gradkit.clamped_sqrt")
+_clamped_log = _clamped("clamped_log", lambda t, x: t / x)
+_clamped_sqrt = _clamped("clamped_sqrt", lambda t, x: t * (0.5 / jnp.sqrt(x)))
 
 
 def _scale(params: Mapping[str, Any], op_name: str, sign: float = 1.0, name: str = "scale_gradient") -> Rule:
