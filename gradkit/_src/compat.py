@@ -157,6 +157,42 @@ def custom_function_name(eqn: JaxprEqn) -> str | None:
     return src.split(" ")[0] or None
 
 
+# --------------------------------------------------------------------------- jaxprs, open and closed
+
+# JAX >= 0.11: ``ClosedJaxpr`` is an alias of ``Jaxpr``, which carries its own
+# consts; before, a ClosedJaxpr wraps an open Jaxpr and its consts.
+CLOSED_IS_JAXPR: bool = ClosedJaxpr is Jaxpr
+
+
+def is_jaxpr(x: Any) -> bool:
+    """An open or closed jaxpr (what a higher-order primitive keeps in its params)."""
+    return isinstance(x, (Jaxpr, ClosedJaxpr))
+
+
+def jaxpr_parts(j: Any) -> tuple[Jaxpr, list[Any]]:
+    """``(jaxpr, consts)``: the equations' holder and the values of its constvars."""
+    if CLOSED_IS_JAXPR:
+        return j, list(j.consts)
+    if isinstance(j, ClosedJaxpr):
+        return j.jaxpr, list(j.consts)
+    return j, []
+
+
+def replace_eqns(j: Any, eqns: Sequence[JaxprEqn]) -> Any:
+    """``j`` (open or closed, same kind) with other equations; variables, consts and debug info kept."""
+    if not CLOSED_IS_JAXPR and isinstance(j, ClosedJaxpr):
+        return j.replace(jaxpr=j.jaxpr.replace(eqns=list(eqns)))
+    return j.replace(eqns=list(eqns))
+
+
+# Primitives whose sub-programs are kernels, not differentiable programs: not entered.
+OPAQUE_PRIMITIVES = frozenset({"pallas_call", "custom_transpose_call"})
+
+
+def is_opaque(eqn: JaxprEqn) -> bool:
+    return eqn.primitive.name in OPAQUE_PRIMITIVES
+
+
 # --------------------------------------------------------------------------- sub-jaxprs
 
 

@@ -1,0 +1,161 @@
+"""The one walker over jaxprs: sub-programs in equation params, at any depth.
+
+A higher-order primitive keeps its sub-programs in its params: ``jit`` in
+``jaxpr``, ``scan`` in ``jaxpr``, ``while`` in ``cond_jaxpr``/``body_jaxpr``,
+``cond`` in the tuple ``branches``, ``custom_linear_solve`` in the NamedTuple
+``jaxprs`` (with ``None`` entries), ``shard_map`` and ``checkpoint`` in an
+open ``jaxpr``. The walker knows none of these names: it finds every jaxpr,
+open or closed, inside any tuple, list, NamedTuple or dict of a param, and
+rebuilds the container with the same type when one changes. So primitives
+JAX adds later are covered too.
+
+Used by the dispatcher (scan for op names, splice rules in), audit's fix
+patcher, and the replay (calls it cannot unroll). What an open or closed
+jaxpr is, per JAX version, is :mod:`gradkit._src.compat`'s business.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from gradkit._src import compat
+from gradkit._src.compat import Jaxpr, JaxprEqn
+
+_LEAF_TYPES = (str, bytes, int, float, complex, bool, type(None))
+
+
+def _contains(x: Any) -> bool:
+    """Whether ``x`` is or holds a jaxpr (containers only are searched)."""
+    if compat.is_jaxpr(x):
+        return True
+    if isinstance(x, (tuple, list)):
+        return any(_contains(v) for v in x)
+    if isinstance(x, dict):
+        return any(_contains(v) for v in x.values())
+    return False
+
+
+def _iter(x: Any) -> Iterator[Any]:
+    if compat.is_jaxpr(x):
+        yield x
+    elif isinstance(x, (tuple, list)):
+        for v in x:
+            yield from _iter(v)
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from _iter(v)
+
+
+def subprograms(params: Mapping[str, Any]) -> list[Any]:
+    """Every jaxpr (open or closed) in ``params``, at any depth of tuple/list/NamedTuple/dict."""
+    out: list[Any] = []
+    for v in params.values():
+        if not isinstance(v, _LEAF_TYPES):
+            out.extend(_iter(v))
+    return out
+
+
+def has_subprograms(eqn: JaxprEqn) -> bool:
+    return any(not isinstance(v, _LEAF_TYPES) and _contains(v) for v in eqn.params.values())
+
+
+def _map(x: Any, fn: Callable[[Any], Any]) -> Any:
+    """``x`` with ``fn`` applied to each jaxpr inside; the same object if nothing changed."""
+    if compat.is_jaxpr(x):
+        return fn(x)
+    if isinstance(x, (tuple, list)):
+        items = [_map(v, fn) for v in x]
+        if all(a is b for a, b in zip(items, x)):
+            return x
+        if isinstance(x, tuple) and hasattr(type(x), "_fields"):  # NamedTuple
+            return type(x)(*items)
+        return type(x)(items)
+    if isinstance(x, dict):
+        new = {k: _map(v, fn) for k, v in x.items()}
+        if all(new[k] is x[k] for k in x):
+            return x
+        return type(x)(new) if type(x) is not dict else new
+    return x
+
+
+def map_subprograms(params: Mapping[str, Any], fn: Callable[[Any], Any]) -> dict[str, Any] | None:
+    """``params`` with ``fn`` applied to every sub-program; ``None`` if ``fn`` changed none."""
+    new: dict[str, Any] | None = None
+    for k, v in params.items():
+        if isinstance(v, _LEAF_TYPES):
+            continue
+        nv = _map(v, fn)
+        if nv is not v:
+            if new is None:
+                new = dict(params)
+            new[k] = nv
+    return new
+
+
+def enters(eqn: JaxprEqn) -> bool:
+    """Whether a walk looks inside ``eqn``'s sub-programs.
+
+    Not inside a custom_jvp/custom_vjp function (its own rule defines its
+    derivative) or an opaque kernel (``pallas_call``).
+    """
+    return not compat.is_custom_derivative(eqn) and not compat.is_opaque(eqn)
+
+
+def equations(jaxpr: Any, enter: Callable[[JaxprEqn], bool] = enters) -> Iterator[tuple[JaxprEqn, Jaxpr]]:
+    """Every equation of ``jaxpr`` and of the sub-programs it enters: ``(eqn, the jaxpr holding it)``.
+
+    A sub-program shared by several equations (a jitted function called
+    twice) is visited once.
+    """
+    seen: set[int] = set()
+    stack = [compat.jaxpr_parts(jaxpr)[0]]
+    while stack:
+        j = stack.pop()
+        if id(j) in seen:
+            continue
+        seen.add(id(j))
+        for eqn in j.eqns:
+            yield eqn, j
+            if enter(eqn):
+                stack.extend(compat.jaxpr_parts(s)[0] for s in subprograms(eqn.params))
+
+
+class Rewrite:
+    """Maps a jaxpr to one in which some equations are replaced, at any depth.
+
+    ``replace(eqn)`` returns the equations to put in ``eqn``'s place, or
+    ``None`` to keep it (and look inside it, where ``enter(eqn)``). Everything
+    unchanged is shared with the input: an equation, a sub-program, the whole
+    jaxpr when nothing matched. A sub-program shared by several equations is
+    rewritten once.
+    """
+
+    def __init__(self, replace: Callable[[JaxprEqn], list[JaxprEqn] | None],
+                 enter: Callable[[JaxprEqn], bool] = enters) -> None:
+        self._replace = replace
+        self._enter = enter
+        self._memo: dict[int, tuple[Any, Any]] = {}
+
+    def __call__(self, jaxpr: Any) -> Any:
+        hit = self._memo.get(id(jaxpr))
+        if hit is not None and hit[0] is jaxpr:
+            return hit[1]
+        core, _ = compat.jaxpr_parts(jaxpr)
+        eqns: list[JaxprEqn] = []
+        changed = False
+        for eqn in core.eqns:
+            new = self._replace(eqn)
+            if new is not None:
+                eqns.extend(new)
+                changed = True
+                continue
+            if self._enter(eqn) and has_subprograms(eqn):
+                params = map_subprograms(eqn.params, self)
+                if params is not None:
+                    eqn = eqn.replace(params=params)
+                    changed = True
+            eqns.append(eqn)
+        result = compat.replace_eqns(jaxpr, eqns) if changed else jaxpr
+        self._memo[id(jaxpr)] = (jaxpr, result)
+        return result
