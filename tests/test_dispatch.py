@@ -261,14 +261,14 @@ def test_user_custom_functions_keep_their_rules_unless_named():
     sin_rule = gk.vjp_rule(lambda op, g: (g * 0.0 + 1.0,))
     g = jax.grad(gk.override(fn, {"sin": sin_rule}))(X)
     np.testing.assert_allclose(g, 7.0 + 11.0 + 1.0)  # only the bare sin is overridden
-    named = gk.override(fn, {"my_act": gk.vjp_rule(lambda op, g: (g * 100.0,)), "my_clip": sin_rule})
+    named = gk.override(fn, {"fn:my_act": gk.vjp_rule(lambda op, g: (g * 100.0,)), "fn:my_clip": sin_rule})
     np.testing.assert_allclose(jax.grad(named)(X), 100.0 + 1.0 + np.cos(np.asarray(X)), rtol=1e-6)
 
 
 def test_jitted_functions_match_by_name():
     rule = gk.vjp_rule(lambda op, g: (g * 0.0 + 0.25,))
     fn = lambda x: jnp.sum(jax.nn.softplus(x))
-    g = jax.grad(gk.override(fn, {"softplus": rule}))(X)
+    g = jax.grad(gk.override(fn, {"fn:softplus": rule}))(X)
     np.testing.assert_array_equal(g, 0.25)
 
 

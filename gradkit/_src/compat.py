@@ -136,25 +136,58 @@ def current_source_line() -> str:
 
 # --------------------------------------------------------------------------- names
 
+JIT_PRIMITIVES = frozenset({"jit", "pjit"})  # "pjit" before jax 0.7, "jit" since
+# A table key that targets a function by its Python name, not a primitive.
+FUNCTION_PREFIX = "fn:"
+# The function a table rule is wrapped in is named RULE_PREFIX + op + "]".
+RULE_PREFIX = "gradkit_rule["
+
+
+def is_jit(eqn: JaxprEqn) -> bool:
+    return eqn.primitive.name in JIT_PRIMITIVES
+
 
 def eqn_name(eqn: JaxprEqn) -> str:
-    """The name a rule table matches: primitive, named op, or custom function."""
+    """The name a rule table matches.
+
+    Two namespaces: a primitive's name (``"sqrt"``), and ``"fn:<name>"`` for
+    a function the program calls by name: a ``jax.jit``-ed function
+    (``jax.nn.softplus`` is ``jit[name=softplus]``) or a ``custom_jvp`` /
+    ``custom_vjp`` function. A gradkit named op keeps its reserved jit name
+    (NAMED_OP_PREFIX...), which the dispatcher resolves to the op's name.
+    """
     prim = eqn.primitive.name
-    if prim in ("jit", "pjit"):
-        # A jitted function matches by its function name (``jax.nn.softplus``
-        # is ``jit[name=softplus]``); gradkit named ops carry NAMED_OP_PREFIX.
-        return eqn.params.get("name") or prim
+    if prim in JIT_PRIMITIVES:
+        name = eqn.params.get("name") or ""
+        if name.startswith(NAMED_OP_PREFIX):
+            return name
+        return FUNCTION_PREFIX + name if name else prim
     if prim in CUSTOM_DERIVATIVE_PRIMITIVES:
         fn_name = custom_function_name(eqn)
-        return fn_name or prim
+        return FUNCTION_PREFIX + fn_name if fn_name else prim
     return prim
 
 
 def custom_function_name(eqn: JaxprEqn) -> str | None:
+    """The Python name of the custom_jvp / custom_vjp function ``eqn`` calls, if known."""
     closed = eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
     debug = getattr(getattr(closed, "jaxpr", closed), "debug_info", None)
     src = getattr(debug, "func_src_info", None) or ""
     return src.split(" ")[0] or None
+
+
+def rule_wrapper_name(op: str) -> str:
+    return f"{RULE_PREFIX}{op}]"
+
+
+def rule_target(eqn: JaxprEqn) -> str | None:
+    """For the equation of a table rule's wrapper, the op it overrides; else ``None``."""
+    if eqn.primitive.name not in CUSTOM_DERIVATIVE_PRIMITIVES:
+        return None
+    name = custom_function_name(eqn) or ""
+    if name.startswith(RULE_PREFIX) and name.endswith("]"):
+        return name[len(RULE_PREFIX):-1]
+    return None
 
 
 # --------------------------------------------------------------------------- jaxprs, open and closed

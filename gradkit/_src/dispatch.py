@@ -193,7 +193,7 @@ def apply_rule(rule: Rule, eqn: Any, name: str, invals: list[Any]) -> list[Any]:
     def primal(*dyn: Any) -> list[Any]:
         return compat.bind(eqn, full(dyn))
 
-    primal.__name__ = primal.__qualname__ = f"gradkit_rule[{name}]"
+    primal.__name__ = primal.__qualname__ = compat.rule_wrapper_name(name)
 
     if rule.mode == "vjp":
         fn = jax.custom_vjp(primal)

@@ -78,17 +78,12 @@ class Birth:
         """The op's table name (a gradkit rule's wrapper reports the op it overrides)."""
         from gradkit._src.dispatch import op_name
 
-        name = op_name(self.eqn)
-        if name.startswith("gradkit_rule[") and name.endswith("]"):
-            return name[len("gradkit_rule["):-1]
-        return name
+        return compat.rule_target(self.eqn) or op_name(self.eqn)
 
     @property
     def is_rule(self) -> bool:
         """The equation is a gradkit rule applied by a table (its backward is the rule)."""
-        from gradkit._src.dispatch import op_name
-
-        return op_name(self.eqn).startswith("gradkit_rule[")
+        return compat.rule_target(self.eqn) is not None
 
 
 @dataclasses.dataclass
@@ -519,7 +514,7 @@ def _count_bad(a: np.ndarray, kind: str) -> int:
 def _jit_label(eqn: Any) -> str:
     from gradkit._src.dispatch import op_name
 
-    name = eqn.params.get("name", "") if eqn.primitive.name in ("jit", "pjit") else ""
+    name = eqn.params.get("name", "") if compat.is_jit(eqn) else ""
     if not name or name.startswith("_") or name in ("<lambda>", "fn", "f"):
         return ""
-    return op_name(eqn)
+    return op_name(eqn).removeprefix(compat.FUNCTION_PREFIX)
