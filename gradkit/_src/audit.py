@@ -1137,20 +1137,18 @@ def _fd_check(prog: _Program, grads: Sequence[np.ndarray], max_coords: int = 256
 
 
 def _coverage(prog: _Program, table: Any) -> Coverage:
-    from gradkit._src.dispatch import Rewriter, _as_table
+    from gradkit._src import walk
+    from gradkit._src.dispatch import _as_table, op_name
 
     tbl = _as_table(table)
     counts: dict[str, int] = {}
     inner = getattr(prog.fn, "_fn", prog.fn)
     plain = dataclasses.replace(prog, fn=inner)
     closed = jax.make_jaxpr(plain.flat())(*prog.dyn())
-
-    def on_match(name: str, eqn: Any) -> None:
-        counts[name] = counts.get(name, 0) + 1
-
-    rw = Rewriter(tbl, on_match=on_match)
-    structs = [compat.aval_struct(v.aval) for v in closed.jaxpr.invars]
-    compat.trace(lambda *xs: rw.eval(closed.jaxpr, closed.consts, xs), structs)
+    for eqn, _ in walk.equations(closed):
+        name = op_name(eqn)
+        if name in tbl:
+            counts[name] = counts.get(name, 0) + 1
     fired = tuple(sorted(counts.items()))
     never = tuple(sorted(n for n in tbl.names() if n not in counts))
     return Coverage(len(tbl), fired, never)

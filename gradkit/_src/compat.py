@@ -27,8 +27,11 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax._src import api_util as _api_util
+from jax._src import linear_util as _lu
 from jax._src import source_info_util as _siu
 from jax._src import traceback_util as _tbu
+from jax._src.interpreters import partial_eval as _pe
 from jax.extend import core as jex_core
 
 Jaxpr = jex_core.Jaxpr
@@ -43,6 +46,7 @@ JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[
 # Primitives whose sub-jaxprs define their own derivative: gradkit does not
 # rewrite inside them (the user's rule wins) unless the table names them.
 CUSTOM_DERIVATIVE_PRIMITIVES = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+CUSTOM_VJP_PRIMITIVES = frozenset({"custom_vjp_call", "custom_vjp_call_jaxpr"})
 
 # A jitted function whose name carries this prefix is a gradkit named op.
 NAMED_OP_PREFIX = "gk:"
@@ -66,6 +70,42 @@ def register_source_exclusion() -> None:
 def trace(fn: Callable[..., Any], in_structs: Sequence[jax.ShapeDtypeStruct]) -> ClosedJaxpr:
     """Traces a flat function to a closed jaxpr (public ``jax.make_jaxpr``)."""
     return jax.make_jaxpr(fn)(*in_structs)
+
+
+def trace_jit(fn: Callable[..., Any], args: Sequence[Any]) -> ClosedJaxpr:
+    """``jax.make_jaxpr(jax.jit(fn))(*args)``: one ``jit`` equation whose ``jaxpr`` param is ``fn``'s program.
+
+    ``args`` may be arrays or tracers of an enclosing trace: their full types
+    (sharding on Explicit mesh axes, varying manual axes) are kept. Values
+    ``fn`` closes over from an enclosing trace become consts of the outer
+    jaxpr and extra inputs of the equation.
+    """
+    return jax.make_jaxpr(jax.jit(fn))(*args)
+
+
+def trace_avals(fn: Callable[..., Sequence[Any]], avals: Sequence[Any], name: str = "gradkit") -> ClosedJaxpr:
+    """Traces ``fn`` (flat inputs -> list of outputs) at exactly ``avals``, in the current context.
+
+    Unlike ``make_jaxpr`` on ShapeDtypeStructs, the abstract values keep
+    everything JAX attaches to them (weak type, sharding, varying manual
+    axes), so an equation traced here fits where the original one stood.
+    """
+    dbg = _api_util.debug_info(name, fn, tuple(avals), {})
+    jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(_lu.wrap_init(fn, debug_info=dbg), list(avals))
+    return ClosedJaxpr(jaxpr, consts)
+
+
+def single_equation(closed: ClosedJaxpr) -> JaxprEqn | None:
+    """The one equation of ``closed`` if it maps the inputs, in order, to the outputs; else ``None``."""
+    j, consts = jaxpr_parts(closed)
+    if consts or len(j.eqns) != 1:
+        return None
+    eqn = j.eqns[0]
+    if list(eqn.invars) != list(j.invars) or list(eqn.outvars) != list(j.outvars):
+        return None
+    if len(set(map(id, j.outvars))) != len(j.outvars):
+        return None
+    return eqn
 
 
 def aval_struct(aval: Any) -> jax.ShapeDtypeStruct:

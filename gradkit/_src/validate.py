@@ -174,7 +174,7 @@ def _weak_cast_ok(value: Any, vdtype: Any, dtype: Any) -> bool:
 
 
 def checked_call(rule: Rule, op: OpView, arg: Any) -> Any:
-    """Calls the rule; an exception inside it is re-raised with the op's context."""
+    """Calls the rule; an exception inside it keeps its type, with a ``[gradkit]`` note naming the op."""
     try:
         return rule.fn(op, arg)
     except GradkitError:
@@ -185,7 +185,8 @@ def checked_call(rule: Rule, op: OpView, arg: Any) -> Any:
             hint = (" Rules are traced, like jax.jit functions: op.inputs, op.outputs and the incoming values "
                     "are abstract, so Python `if`, `float()` and NumPy calls on them fail. Use jnp.where, "
                     "lax.cond or jnp functions instead.")
-        raise GradkitError(
-            f"{_where(rule, op)} raised {type(e).__name__}: {e}. The rule is called with "
-            f"op (inputs {', '.join(describe(x) for x in jax.tree_util.tree_leaves(op.inputs))}) "
-            f"and the incoming {'cotangent' if rule.mode == 'vjp' else 'tangents'}.{hint}") from e
+        compat.add_note(e, (
+            f"[gradkit] raised inside {_where(rule, op)}, called with op (inputs "
+            f"{', '.join(describe(x) for x in jax.tree_util.tree_leaves(op.inputs))}) and the incoming "
+            f"{'cotangent' if rule.mode == 'vjp' else 'tangents'}.{hint}"))
+        raise
