@@ -182,9 +182,17 @@ _MUL = compat.primitive_by_name("mul")
 _DIV = compat.primitive_by_name("div")
 
 
+def as_dtype(x: Any, dtype: Any) -> Any:
+    """``x`` as ``dtype``: a convert for JAX values (no ``jnp.asarray``: under ``vmap`` that is a
+    ``device_put``, which makes JAX import and register more of itself), NumPy for constants."""
+    if isinstance(x, (jax.Array, compat.Tracer)):
+        return x if x.dtype == dtype else lax.convert_element_type(x, dtype)
+    return np.asarray(x, dtype)
+
+
 def _apply_scale(step: _Scale, env: dict[Any, Any], aval: Any) -> Any:
     shape, dtype = tuple(aval.shape), aval.dtype
-    factors = [(div, jnp.broadcast_to(jnp.asarray(compat.read_atom(env, a), dtype), shape)) for div, a in step.factors]
+    factors = [(div, jnp.broadcast_to(as_dtype(compat.read_atom(env, a), dtype), shape)) for div, a in step.factors]
     u = compat.read_atom(env, step.source)
     u = jnp.broadcast_to(u, shape) if np.shape(u) != shape else u  # a rank-0 operand
     if len(factors) == 1:
@@ -298,7 +306,7 @@ def safe_rule(target: str) -> Callable[[OpView, tuple[Any, ...]], Any]:
         own = op.name == target
         params = dict(op.params) if own else _lax_params(target, op)
         prog = program(prim, params, inputs, diff)
-        ts = [jnp.asarray(t).astype(compat.aval_of(x).dtype) for x, t, d in zip(inputs, tangents, diff) if d]
+        ts = [as_dtype(t, compat.aval_of(x).dtype) for x, t, d in zip(inputs, tangents, diff) if d]
         out = replay(prog, inputs, ts, op.outputs if own else None)
         return out[0] if len(out) == 1 else tuple(out)
 

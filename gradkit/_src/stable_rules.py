@@ -101,9 +101,9 @@ def jvp_via(body: Callable[..., Any], keywords: tuple[str, ...] = (), *,
                 args[i] = x
             return body(*args, **kw)
 
-        primals = tuple(jnp.asarray(inputs[i]) for i in idx)
+        primals = tuple(_as_array(inputs[i]) for i in idx)
         ts = tuple(jnp.zeros_like(p) if i >= len(tangents) or tangents[i] is None else
-                   jnp.asarray(tangents[i]).astype(p.dtype) for i, p in zip(idx, primals))
+                   _as_array(tangents[i], p.dtype) for i, p in zip(idx, primals))
         try:
             _, t_out = jax.jvp(f, primals, ts)
         except TypeError as e:
@@ -115,6 +115,13 @@ def jvp_via(body: Callable[..., Any], keywords: tuple[str, ...] = (), *,
         return t_out
 
     return rule
+
+
+def _as_array(x: Any, dtype: Any = None) -> Any:
+    # No jnp.asarray on traced values: under vmap it is a device_put, which imports more of JAX.
+    if isinstance(x, (jax.Array, compat.Tracer)):
+        return x if dtype is None or x.dtype == dtype else jax.lax.convert_element_type(x, dtype)
+    return jnp.asarray(x, dtype)
 
 
 def _describe(xs: Sequence[Any]) -> str:
