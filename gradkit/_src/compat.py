@@ -444,6 +444,7 @@ def add_note(e: BaseException, note: str) -> None:
 # rule of JAX's own primitives is touched.
 
 from jax import lax as _lax  # noqa: E402
+from jax._src import core as _core  # noqa: E402
 from jax.interpreters import ad as _ad  # noqa: E402
 from jax.interpreters import batching as _batching  # noqa: E402
 from jax.interpreters import mlir as _mlir  # noqa: E402
@@ -461,6 +462,7 @@ def safe_scale(t: Any, d: Any, *, divide: bool = False) -> Any:
     result is 0 whatever ``d`` is (``inf``, NaN), in value and at every order
     of differentiation; elsewhere it is the plain product, bit for bit.
     """
+    t, d = match_varying([t, d])
     return safe_scale_p.bind(t, d, divide=bool(divide))
 
 
@@ -473,7 +475,7 @@ def _safe_scale_abstract_eval(t: Any, d: Any, *, divide: bool) -> Any:
     if t.shape != d.shape or t.dtype != d.dtype:
         raise TypeError(f"gradkit_safe_scale needs operands of one shape and dtype, got {t.str_short()} and "
                         f"{d.str_short()}")
-    return t
+    return t.update(weak_type=t.weak_type and d.weak_type)  # as lax's binary operations
 
 
 def _safe_scale_jvp(primals: Sequence[Any], tangents: Sequence[Any], *, divide: bool) -> tuple[Any, Any]:
@@ -515,6 +517,18 @@ def _safe_scale_batch(args: Sequence[Any], dims: Sequence[Any], *, divide: bool)
         return jax.numpy.moveaxis(x, b, 0)
 
     return safe_scale(front(t, bt), front(d, bd), divide=divide), 0
+
+
+# Inside shard_map, operands of one operation must vary over the same manual axes; JAX's lax wrappers
+# insert the casts (pvary) themselves, and a program re-played equation by equation must too.
+_auto_vary = getattr(_core, "auto_insert_reshard", None) or getattr(_core, "standard_insert_pvary", None)
+
+
+def match_varying(args: Sequence[Any]) -> list[Any]:
+    """``args`` cast to vary over the same ``shard_map`` axes, as JAX's lax wrappers do (no-op elsewhere)."""
+    if _auto_vary is None or len(args) < 2:
+        return list(args)
+    return list(_auto_vary(*args))
 
 
 safe_scale_p.def_impl(_safe_scale_value)

@@ -230,7 +230,7 @@ def replay(prog: _Program, primals: Sequence[Any], tangents: Sequence[Any],
             elif kind in (_PRIMAL, _VALUE):
                 outs = safe_bind(eqn.primitive, eqn.params, ins, [compat.is_literal(a) for a in eqn.invars])
             else:
-                outs = compat.bind(eqn, ins)
+                outs = compat.bind(eqn, compat.match_varying(ins))
         for v, x in zip(eqn.outvars, outs):
             env[v] = x
     return [compat.read_atom(env, a) for a in jaxpr.outvars]
@@ -246,6 +246,7 @@ def safe_bind(prim: Any, params: Any, inputs: Sequence[Any], fixed: Sequence[boo
     params = dict(params)
     fixed = fixed or [False] * len(inputs)
     diff = tuple(_is_inexact(x) and not c for x, c in zip(inputs, fixed))
+    inputs = compat.match_varying(inputs)
     if prim.multiple_results or not any(diff) or any(True for _ in compat.jaxpr_params(params)):
         return compat.bind_primitive(prim, inputs, params)
     try:
