@@ -186,6 +186,23 @@ def test_safe_rule_retargets_a_named_op_wrapping_a_primitive():
     t = gk.RuleTable.from_dict({"my_sqrt": {"rule": "safe", "op": "sqrt"}})
     f = gk.override(lambda v: jnp.sum(jnp.where(v > 0, my_sqrt(v), 0.0)), t)
     np.testing.assert_array_equal(np.asarray(jax.grad(f)(jnp.array([0.0, 4.0]))), [0.0, 0.25])
+    np.testing.assert_array_equal(np.asarray(jax.jacfwd(f)(jnp.array([0.0, 4.0]))), [0.0, 0.25])
+
+    @jax.jit
+    def jit_sqrt(v):  # a jit-ed function: its parameters are jit's, the primitive's are the defaults
+        return jnp.sqrt(v)
+
+    t = gk.RuleTable({"fn:jit_sqrt": {"rule": "safe", "op": "sqrt"}})
+    f = gk.override(lambda v: jnp.sum(jnp.where(v > 0, jit_sqrt(v), 0.0)), t, strict=True)
+    np.testing.assert_array_equal(np.asarray(jax.hessian(f)(jnp.array([0.0, 4.0]))), [[0.0, 0.0], [0.0, -1 / 32]])
+
+    @gk.op("my_pow")
+    def my_pow(v, *, y=3):  # a named op whose keyword is the primitive's parameter
+        return jax.lax.integer_pow(v, y)
+
+    t = gk.RuleTable({"my_pow": {"rule": "safe", "op": "integer_pow"}})
+    f = gk.override(lambda v: jnp.sum(jnp.where(v != 0, my_pow(v, y=-1), 0.0)), t)
+    np.testing.assert_array_equal(np.asarray(jax.grad(f)(jnp.array([0.0, 0.5, 2.0]))), [0.0, -4.0, -0.25])
 
 
 def test_library_listing_for_docs_and_cli():

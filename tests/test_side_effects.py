@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 
 import jax
 import jax.numpy as jnp

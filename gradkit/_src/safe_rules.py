@@ -15,8 +15,9 @@ that program with every product of the tangent by a primal quantity
   cotangent stays 0 through ``hessian`` and ``grad(grad(...))``.
 
 Following JAX's program rather than hand-written formulas keeps the gradients
-bit-identical to JAX's on every supported JAX version (whose formulas differ:
-``acos`` uses ``one_minus_square`` from 0.11 on).
+bit-identical to JAX's on every supported JAX version, whose formulas differ
+(newer versions write ``acos``' with ``one_minus_square``, ``acosh``' as a
+product of two ``rsqrt``).
 """
 
 from __future__ import annotations
@@ -256,10 +257,10 @@ def safe_bind(prim: Any, params: Any, inputs: Sequence[Any], fixed: Sequence[boo
     if not prog.masks:
         return compat.bind_primitive(prim, inputs, params)
     idx = [i for i, d in enumerate(diff) if d]
-    fixed = list(inputs)
+    held = list(inputs)
 
     def full(dyn: Sequence[Any]) -> list[Any]:
-        xs = list(fixed)
+        xs = list(held)
         for i, x in zip(idx, dyn):
             xs[i] = x
         return xs
@@ -282,15 +283,18 @@ def safe_bind(prim: Any, params: Any, inputs: Sequence[Any], fixed: Sequence[boo
 def _lax_params(target: str, op: OpView) -> dict[str, Any]:
     """The primitive's parameters for a rule retargeted to another op (a gk.op wrapping the primitive)."""
     fn = getattr(lax, target, None)
-    try:
-        jaxpr = jax.make_jaxpr(lambda *xs: fn(*xs, **dict(op.params)))(*op.inputs)  # type: ignore[misc]
-        eqn = next(e for e in compat.jaxpr_parts(jaxpr)[0].eqns if e.primitive.name == target)
-    except Exception as e:  # noqa: BLE001
-        raise GradkitError(
-            f"rule gradkit.safe[{target}] for op '{op.name}' at {op.source}: the op's inputs and keyword arguments "
-            f"({len(op.inputs)} inputs, {sorted(op.params)}) do not make one lax.{target} call ({e}). Use "
-            f"{{rule = \"safe\", op = \"{target}\"}} only on an op that computes lax.{target} of its inputs.") from None
-    return dict(eqn.params)
+    error: Exception | None = None
+    # A named op's keyword arguments may be the primitive's (integer_pow's y); a jit-ed function's are jit's.
+    for kw in (dict(op.params), {}):
+        try:
+            jaxpr = jax.make_jaxpr(lambda *xs, kw=kw: fn(*xs, **kw))(*op.inputs)  # type: ignore[misc]
+            return dict(next(e for e in compat.jaxpr_parts(jaxpr)[0].eqns if e.primitive.name == target).params)
+        except Exception as e:  # noqa: BLE001
+            error = error or e
+    raise GradkitError(
+        f"rule gradkit.safe[{target}] for op '{op.name}' at {op.source}: the op's inputs and keyword arguments "
+        f"({len(op.inputs)} inputs, {sorted(op.params)}) do not make one lax.{target} call ({error}). Use "
+        f"{{rule = \"safe\", op = \"{target}\"}} only on an op that computes lax.{target} of its inputs.")
 
 
 def safe_rule(target: str) -> Callable[[OpView, tuple[Any, ...]], Any]:
