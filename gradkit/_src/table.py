@@ -217,6 +217,10 @@ def _library_entry(op_name: str, entry: Any, source: str | None) -> Rule:
     if callable(entry):
         raise GradkitError(f"{where} is not a rule: got {type(entry).__name__}; wrap the function with "
                            "gk.vjp_rule(fn) (reverse mode) or gk.jvp_rule(fn) (forward and reverse mode).")
+    if source:  # a declarative config: only library rules can be written there
+        raise GradkitError(
+            f"{where}: expected a rule name (string) or a table {{rule = \"<name>\", ...}}, got "
+            f"{type(entry).__name__} {entry!r}.")
     raise GradkitError(
         f"{where} is not a rule: got {type(entry).__name__} {entry!r}; give a rule made by gk.vjp_rule or "
         "gk.jvp_rule, a library rule name (\"safe\"), or {\"rule\": \"<name>\", <param>: <value>}.")
