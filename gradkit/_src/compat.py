@@ -449,6 +449,8 @@ from jax.interpreters import ad as _ad  # noqa: E402
 from jax.interpreters import batching as _batching  # noqa: E402
 from jax.interpreters import mlir as _mlir  # noqa: E402
 
+from gradkit._src.errors import GradkitError as _GradkitError  # noqa: E402
+
 safe_scale_p: Primitive = Primitive("gradkit_safe_scale")
 
 #: The primitives gradkit defines (and registers rules for); nothing else is registered.
@@ -473,8 +475,8 @@ def _safe_scale_value(t: Any, d: Any, *, divide: bool) -> Any:
 
 def _safe_scale_abstract_eval(t: Any, d: Any, *, divide: bool) -> Any:
     if t.shape != d.shape or t.dtype != d.dtype:
-        raise TypeError(f"gradkit_safe_scale needs operands of one shape and dtype, got {t.str_short()} and "
-                        f"{d.str_short()}")
+        raise _GradkitError(f"internal: safe_scale needs operands of one shape and dtype, got {t.str_short()} "
+                            f"and {d.str_short()}; please report this with the function that triggered it.")
     return t.update(weak_type=t.weak_type and d.weak_type)  # as lax's binary operations
 
 
@@ -498,7 +500,8 @@ def _safe_scale_jvp(primals: Sequence[Any], tangents: Sequence[Any], *, divide: 
 
 def _safe_scale_transpose(ct: Any, t: Any, d: Any, *, divide: bool) -> list[Any]:
     if _ad.is_undefined_primal(d) or not _ad.is_undefined_primal(t):
-        raise NotImplementedError("[gradkit] internal: safe_scale is linear in its first operand only.")
+        raise _GradkitError("internal: safe_scale is linear in its first operand only; please report this with "
+                            "the function that triggered it.")
     if type(ct) is _ad.Zero:
         return [_ad.Zero(t.aval), None]
     return [safe_scale(ct, d, divide=divide), None]
