@@ -379,8 +379,11 @@ def test_rule_storing_a_traced_value_globally_gets_jax_leak_error():
 
 
 def test_string_rule_in_a_table_is_a_clear_error():
-    with pytest.raises(gk.GradkitError, match=r"^\[gradkit\] table entry 'sqrt' is not a rule: got str"):
-        gk.RuleTable({"sqrt": "safe"})
+    # a string names a library rule (as in RuleTable.from_dict); a misspelt one is a clear error
+    assert gk.RuleTable({"sqrt": "safe"}) == gk.RuleTable.from_dict({"sqrt": "safe"})
+    with pytest.raises(gk.GradkitError, match=r"^\[gradkit\] table entry 'sqrt': unknown rule 'saf' "
+                                              r"\(did you mean 'safe'\?\)"):
+        gk.RuleTable({"sqrt": "saf"})
 
 
 def test_rule_instance_in_the_table_with_non_callable_fn():

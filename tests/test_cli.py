@@ -98,7 +98,8 @@ def test_rules_command_lists_the_tables():
     p = run("rules")
     assert p.returncode == 0, p.stderr
     assert "gradkit.tables.SAFE" in p.stdout and "gradkit.tables.STABLE" in p.stdout
-    assert any(line.split()[:3] == ["log", "vjp", "safe"] for line in p.stdout.splitlines())
+    assert "gradkit.tables.STABLE_FUNCTIONS" in p.stdout
+    assert any(line.split()[:3] == ["log", "jvp", "safe"] for line in p.stdout.splitlines())
 
 
 # --------------------------------------------------------------------------- in-process

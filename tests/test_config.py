@@ -33,6 +33,8 @@ def test_from_dict_builds_library_rules_with_stable_keys():
     # the ready tables are made of the same library rules
     assert gk.RuleTable.from_dict({n: "safe" for n in tables.SAFE}).fingerprint == tables.SAFE.fingerprint
     assert gk.RuleTable.from_dict({n: "stable" for n in tables.STABLE}).fingerprint == tables.STABLE.fingerprint
+    assert gk.RuleTable({n: "stable" for n in tables.STABLE_FUNCTIONS}) == tables.STABLE_FUNCTIONS
+    assert gk.RuleTable({n: "straight_through" for n in tables.STRAIGHT_THROUGH}) == tables.STRAIGHT_THROUGH
 
 
 def test_fingerprint_is_stable_across_processes():
@@ -41,7 +43,7 @@ def test_fingerprint_is_stable_across_processes():
         from gradkit import tables
         t = gk.RuleTable.from_dict({"sqrt": "safe", "log": {"rule": "clamped_log", "eps": 1e-30},
                                     "my_op": {"rule": "scale_gradient", "scale": 0.5}})
-        print(t.fingerprint, tables.SAFE.fingerprint, tables.STABLE.fingerprint)
+        print(t.fingerprint, tables.SAFE.fingerprint, tables.STABLE.fingerprint, tables.STABLE_FUNCTIONS.fingerprint)
     """)
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONHASHSEED="123")
     out1 = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
@@ -50,7 +52,8 @@ def test_fingerprint_is_stable_across_processes():
     assert out1.stdout == out2.stdout
     here = gk.RuleTable.from_dict({"sqrt": "safe", "log": {"rule": "clamped_log", "eps": 1e-30},
                                    "my_op": {"rule": "scale_gradient", "scale": 0.5}})
-    assert out1.stdout.split() == [here.fingerprint, tables.SAFE.fingerprint, tables.STABLE.fingerprint]
+    assert out1.stdout.split() == [here.fingerprint, tables.SAFE.fingerprint, tables.STABLE.fingerprint,
+                                   tables.STABLE_FUNCTIONS.fingerprint]
 
 
 def test_from_toml(tmp_path):
@@ -142,7 +145,8 @@ def test_scale_reverse_and_clip_rules_on_primitives_and_jit_functions():
     np.testing.assert_allclose(np.asarray(g), np.clip(3.0 * np.cos(np.asarray(x)), -1, 1), rtol=1e-6)
     # a jax.jit-ed function matched by name
     sp = lambda v: jnp.sum(jax.nn.softplus(v))
-    g = jax.grad(gk.override(sp, gk.RuleTable.from_dict({"softplus": {"rule": "scale_gradient", "scale": 2.0}})))(x)
+    g = jax.grad(gk.override(sp, gk.RuleTable.from_dict({"fn:softplus": {"rule": "scale_gradient", "scale": 2.0}}),
+                             strict=True))(x)
     np.testing.assert_allclose(np.asarray(g), 2.0 * np.asarray(jax.nn.sigmoid(x)), rtol=1e-6)
     # forward mode through a scale rule
     _, t = jax.jvp(gk.override(jnp.sin, gk.RuleTable.from_dict({"sin": {"rule": "scale_gradient", "scale": 0.5}})),
@@ -182,6 +186,23 @@ def test_safe_rule_retargets_a_named_op_wrapping_a_primitive():
     t = gk.RuleTable.from_dict({"my_sqrt": {"rule": "safe", "op": "sqrt"}})
     f = gk.override(lambda v: jnp.sum(jnp.where(v > 0, my_sqrt(v), 0.0)), t)
     np.testing.assert_array_equal(np.asarray(jax.grad(f)(jnp.array([0.0, 4.0]))), [0.0, 0.25])
+    np.testing.assert_array_equal(np.asarray(jax.jacfwd(f)(jnp.array([0.0, 4.0]))), [0.0, 0.25])
+
+    @jax.jit
+    def jit_sqrt(v):  # a jit-ed function: its parameters are jit's, the primitive's are the defaults
+        return jnp.sqrt(v)
+
+    t = gk.RuleTable({"fn:jit_sqrt": {"rule": "safe", "op": "sqrt"}})
+    f = gk.override(lambda v: jnp.sum(jnp.where(v > 0, jit_sqrt(v), 0.0)), t, strict=True)
+    np.testing.assert_array_equal(np.asarray(jax.hessian(f)(jnp.array([0.0, 4.0]))), [[0.0, 0.0], [0.0, -1 / 32]])
+
+    @gk.op("my_pow")
+    def my_pow(v, *, y=3):  # a named op whose keyword is the primitive's parameter
+        return jax.lax.integer_pow(v, y)
+
+    t = gk.RuleTable({"my_pow": {"rule": "safe", "op": "integer_pow"}})
+    f = gk.override(lambda v: jnp.sum(jnp.where(v != 0, my_pow(v, y=-1), 0.0)), t)
+    np.testing.assert_array_equal(np.asarray(jax.grad(f)(jnp.array([0.0, 0.5, 2.0]))), [0.0, -4.0, -0.25])
 
 
 def test_library_listing_for_docs_and_cli():
@@ -194,3 +215,37 @@ def test_library_listing_for_docs_and_cli():
 def test_clamp_parameters_must_be_finite():
     with pytest.raises(gk.GradkitError, match=r"^\[gradkit\].*`eps`.*finite number > 0"):
         gk.RuleTable.from_dict({"log": {"rule": "clamped_log", "eps": float("inf")}})
+
+
+def test_plain_dicts_name_library_rules_as_from_dict_does():
+    # RuleTable(...) and override(f, {...}) accept what from_dict accepts, with the same errors
+    t = gk.RuleTable({"mul": "safe", "log": {"rule": "clamped_log", "eps": 0.5}})
+    assert t == gk.RuleTable.from_dict({"mul": "safe", "log": {"rule": "clamped_log", "eps": 0.5}})
+    f = lambda v: jnp.sum(jnp.where(v > 0, v * jnp.log(v), 0.0))
+    x = jnp.array([0.0, 2.0])
+    g = jax.grad(gk.override(f, {"mul": "safe", "log": "safe"}))(x)
+    np.testing.assert_allclose(np.asarray(g), [0.0, np.log(2.0) + 1], rtol=1e-6)
+    mixed = gk.RuleTable({"sqrt": "safe", "sin": gk.jvp_rule(lambda op, t: t[0])})
+    assert mixed["sqrt"].key == ("gradkit", "safe", (("op", "sqrt"),)) and mixed["sin"].mode == "jvp"
+    with pytest.raises(gk.GradkitError, match=ERR + r" table entry 'log': unknown rule 'clamp_log'"):
+        gk.RuleTable({"log": "clamp_log"})
+    with pytest.raises(gk.GradkitError, match=ERR + r".*'sin' is not a rule: got function; wrap"):
+        gk.override(jnp.sin, {"sin": lambda op, g: g})
+    with pytest.raises(gk.GradkitError, match=ERR + r".*no `rule` key"):
+        gk.override(jnp.sin, {"sin": {"eps": 1.0}})
+    with pytest.raises(gk.GradkitError, match=ERR + r" table entry 'sin' is not a rule: got int 3; .*library rule name"):
+        gk.RuleTable({"sin": 3})
+
+
+def test_fn_keys_default_the_op_of_family_rules():
+    t = gk.RuleTable({"fn:softplus": "stable", "fn:my_fn": {"rule": "stable", "op": "softplus"}})
+    assert t["fn:softplus"].key == t["fn:my_fn"].key == ("gradkit", "stable", (("op", "softplus"),))
+    with pytest.raises(gk.GradkitError, match=ERR + r".*no entry for op 'sqrtt' \(did you mean 'sqrt'"):
+        gk.RuleTable({"fn:sqrtt": "safe"})
+
+
+def test_pyproject_declares_tomli_for_old_pythons():
+    import pathlib
+    import re
+    text = (pathlib.Path(__file__).parent.parent / "pyproject.toml").read_text()
+    assert re.search(r'"tomli>=[0-9.]+; python_version < \'3.11\'"', text)

@@ -61,3 +61,15 @@ def test_large_tables_are_cheap():
     assert len(big | {"sin": B}) == 10_001
     assert len(big.fingerprint) == 16
     assert "op_9999" in big and "sin" not in big
+
+
+def test_tables_equal_mappings_with_the_same_items():
+    assert gk.RuleTable({}) == {} and {} == gk.RuleTable({})
+    t = gk.RuleTable({"sin": A, "cos": B})
+    assert t == {"cos": B, "sin": A} and {"sin": A, "cos": B} == t
+    assert t != {"sin": A} and t != {"sin": B, "cos": A} and t != {"sin": 3}  # an invalid mapping: not equal
+    assert t != ["sin", "cos"] and t != "sin"
+    assert gk.RuleTable({"sqrt": "safe"}) == {"sqrt": "safe"}  # library rules by name
+    # equal tables hash equally (a dict is unhashable: nothing to keep consistent there)
+    assert hash(t) == hash(gk.RuleTable({"cos": B, "sin": A})) and len({t, gk.RuleTable(t)}) == 1
+    assert gk.RuleTable(t) is not t and gk.RuleTable(t) == t

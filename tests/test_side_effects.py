@@ -4,13 +4,16 @@ Checked directly: JAX's global differentiation/batching rule dicts, every
 ``jax.config`` value, the trace context ``jax.jit`` caches on, and the
 gradients (bits) of plain functions, both in this process (after successful
 and failing uses) and in a fresh interpreter before and after ``import gradkit``.
+
+The one thing importing gradkit adds to JAX's rule dicts is the rules of its
+own primitive (``compat.safe_scale_p``, used by the SAFE rules): an extension,
+allowed by key; any other entry added, replaced or removed is an error.
 """
 
 import json
 import os
 import subprocess
 import sys
-import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -46,9 +49,18 @@ def plain_gradient_bits():
     return out
 
 
+def registries():
+    from jax._src.interpreters import batching  # the pre-0.10 dict of (non-fancy) batching rules
+
+    regs = compat.rule_registries_snapshot()
+    plain = batching.primitive_batchers
+    regs["plain_batchers"] = dict(plain) if isinstance(plain, dict) else {}
+    return regs
+
+
 def jax_state():
     return {
-        "registries": compat.rule_registries_snapshot(),
+        "registries": registries(),
         "config": dict(jax.config.values),
         "trace_context": compat.trace_context(),
     }
@@ -71,6 +83,8 @@ def use_gradkit_every_way():
     jax.jvp(gk.override(lambda x: jnp.sum(jnp.sin(x)), {"sin": jvp_sin}), (x,), (x,))
     jax.hessian(gk.override(lambda x: jnp.sum(jnp.sin(x)), {"sin": jvp_sin}))(x)
     f.rewritten_jaxpr(x)
+    safe = gk.override(fn, gk.tables.SAFE | gk.tables.STABLE)  # safe_scale in every mode
+    jax.grad(safe)(x), jax.jvp(safe, (x,), (x,)), jax.hessian(safe)(x), jax.vmap(jax.grad(safe))(jnp.stack([x, x]))
     with jax.numpy_dtype_promotion("standard"):
         gk.override(lambda x: x * 2, {})(jnp.arange(3))
     failing = [
@@ -92,15 +106,30 @@ def registry_changes(before, after):
     """Entries changed or removed, and entries added by anything but JAX itself.
 
     (JAX registers some primitives lazily when its own modules are first
-    imported; gradkit must never add, replace or remove one.)
+    imported; gradkit must never add, replace or remove one, except the rules
+    of its own primitives.)
     """
     out = []
     for name, b in before.items():
         a = after[name]
         out += [f"{name}[{k}] changed or removed" for k in b if a.get(k) is not b[k]]
         out += [f"{name}[{k}] added by {getattr(v, '__module__', '?')}" for k, v in a.items()
-                if k not in b and not str(getattr(v, "__module__", "")).startswith("jax")]
+                if k not in b and k not in compat.OWN_PRIMITIVES
+                and not str(getattr(v, "__module__", "")).startswith("jax")]
     return out
+
+
+def test_gradkit_registers_rules_for_its_own_primitive_only():
+    regs = registries()
+    own = {k for reg in regs.values() for k in reg if k in compat.OWN_PRIMITIVES}
+    assert own == set(compat.OWN_PRIMITIVES) == {compat.safe_scale_p}
+    assert compat.safe_scale_p in regs["primitive_jvps"] and compat.safe_scale_p in regs["primitive_transposes"]
+    assert compat.safe_scale_p in regs["primitive_batchers"] or compat.safe_scale_p in regs["plain_batchers"]
+    # every other rule in those dicts belongs to JAX (or to another library, never to gradkit)
+    for reg in regs.values():
+        for k, v in reg.items():
+            if k not in compat.OWN_PRIMITIVES:
+                assert not str(getattr(v, "__module__", "")).startswith("gradkit"), (k, v)
 
 
 def test_jax_state_and_plain_gradients_unchanged_in_process():
@@ -125,6 +154,7 @@ def test_plain_gradients_unchanged_by_import_and_use_in_a_fresh_process():
     assert report["gradkit_imported_before"] is False
     assert report["bits_after"] == report["bits_before"]
     assert report["registry_changes"] == [] and report["config_changes"] == []
+    assert report["own_registered"] == ["gradkit_safe_scale"]
 
 
 # The fresh-process probe: plain_functions/plain_gradient_bits are exec'd from
@@ -147,17 +177,20 @@ ns = dict(jax=jax, jnp=jnp, lax=lax, np=np)
 exec(compile(ast.Module(body=keep, type_ignores=[]), "probe", "exec"), ns)
 
 def registries():
+    plain = batching.primitive_batchers
     return dict(jvps=dict(ad.primitive_jvps), transposes=dict(ad.primitive_transposes),
-                batchers=dict(getattr(batching, "fancy_primitive_batchers", {{}})))
+                batchers=dict(getattr(batching, "fancy_primitive_batchers", {{}})),
+                plain_batchers=dict(plain) if isinstance(plain, dict) else {{}})
 
-def diff(before, after):
-    # Entries changed or removed, and entries added by anything but JAX itself.
+def diff(before, after, own=()):
+    # Entries changed or removed, and entries added by anything but JAX itself (or for gradkit's own
+    # primitives: `own`, known only after the import).
     out = []
     for name, b in before.items():
         a = after[name]
         out += [f"{{name}}[{{k}}] changed" for k in b if a.get(k) is not b[k]]
         out += [f"{{name}}[{{k}}] added by {{getattr(v, '__module__', '?')}}" for k, v in a.items()
-                if k not in b and not str(getattr(v, "__module__", "")).startswith("jax")]
+                if k not in b and k not in own and not str(getattr(v, "__module__", "")).startswith("jax")]
     return out
 
 imported_before = "gradkit" in sys.modules
@@ -175,7 +208,9 @@ print(json.dumps({{
     "bits_after": ns["plain_gradient_bits"](),
     # Importing gradkit imports jax.extend, which makes JAX register its own
     # `check` primitive and pallas config flags: additions by JAX are fine.
-    "registry_changes": diff(regs_before, registries()),
+    "registry_changes": diff(regs_before, registries(), gradkit._src.compat.OWN_PRIMITIVES),
+    "own_registered": sorted(p.name for p in gradkit._src.compat.OWN_PRIMITIVES
+                             if p in ad.primitive_jvps and p in ad.primitive_transposes),
     "config_changes": [k for k, v in config_before.items() if jax.config.values.get(k) != v],
 }}))
 """

@@ -1,4 +1,4 @@
-"""gradkit.tables: SAFE, STRAIGHT_THROUGH, STABLE."""
+"""gradkit.tables: SAFE, STRAIGHT_THROUGH, STABLE, STABLE_FUNCTIONS (every mode: test_tables_modes.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -8,8 +8,10 @@ import pytest
 import gradkit as gk
 from gradkit import stable as st
 from gradkit import tables
+from gradkit._src import compat
 
 SAFE, STABLE, STE = tables.SAFE, tables.STABLE, tables.STRAIGHT_THROUGH
+FUNCTIONS = tables.STABLE_FUNCTIONS
 
 # ----------------------------------------------------------------------------- SAFE
 
@@ -70,11 +72,11 @@ SINGLE_OPS = {
     "acos": lambda x: jnp.arccos(x / 4), "asin": lambda x: jnp.arcsin(x / 4), "acosh": lambda x: jnp.arccosh(1 + x),
     "atanh": lambda x: jnp.arctanh(x / 4), "lgamma": jax.scipy.special.gammaln,
     "digamma": jax.scipy.special.digamma, "erf_inv": lambda x: jax.scipy.special.erfinv(x / 4),
-    "integer_pow": lambda x: x ** -3, "div": lambda x: x / (1 + x), "rem": lambda x: jnp.remainder(1.0, x),
+    "integer_pow": lambda x: x ** -3, "integer_pow_2": lambda x: jnp.tanh(x) ** 2, "div": lambda x: x / (1 + x), "rem": lambda x: jnp.remainder(1.0, x),
     "atan2": lambda x: jnp.arctan2(x, 1 + x), "pow": lambda x: x ** 2.5,
 }
 UNMATCHED = {
-    "no_safe_ops": lambda x: jnp.sum(jnp.tanh(jnp.outer(x, x)) ** 2) + jnp.sum(jnp.sin(x)),
+    "no_safe_ops": lambda x: jnp.sum(jnp.square(jnp.tanh(jnp.outer(x, x)))) + jnp.sum(jnp.sin(x)),
     "softplus_mlp": lambda x: jnp.sum(jax.nn.softplus(jnp.outer(x, x[:8])) * jnp.cos(x)[:, None]),
 }
 COMPOSITES = {
@@ -103,9 +105,12 @@ def test_safe_is_bit_identical_on_non_singular_functions(name):
 def test_safe_leaves_programs_without_safe_ops_bit_identical(name):
     f = UNMATCHED[name]
     x = jax.random.uniform(jax.random.key(0), (64,), minval=0.1, maxval=3.0)
-    np.testing.assert_array_equal(np.asarray(jax.grad(gk.override(f, SAFE))(x)), np.asarray(jax.grad(f)(x)))
+    # Compiled: as plain JAX. Eager: as the dispatcher with an empty table (what SAFE adds is nothing;
+    # the eager dispatcher itself is checked against plain JAX in its own tests).
     np.testing.assert_array_equal(np.asarray(jax.jit(jax.grad(gk.override(f, SAFE)))(x)),
                                   np.asarray(jax.jit(jax.grad(f))(x)))
+    np.testing.assert_array_equal(np.asarray(jax.grad(gk.override(f, SAFE))(x)),
+                                  np.asarray(jax.grad(gk.override(f, {}))(x)))
 
 
 @pytest.mark.parametrize("name", sorted(COMPOSITES))
@@ -140,9 +145,9 @@ def test_safe_does_not_fix_overflow_inside_a_formula():
     naive = lambda x: jnp.log(1 + jnp.exp(x))
     assert "exp" not in SAFE
     assert np.isnan(float(jax.grad(gk.override(naive, SAFE))(100.0)))
-    # a named op of that name plus STABLE does
+    # a named op of that name plus STABLE_FUNCTIONS does
     named = gk.op("log1pexp")(naive)
-    assert float(jax.grad(gk.override(named, STABLE))(100.0)) == 1.0
+    assert float(jax.grad(gk.override(named, FUNCTIONS))(100.0)) == 1.0
 
 
 def test_safe_mul_rule_is_opt_in():
@@ -150,9 +155,12 @@ def test_safe_mul_rule_is_opt_in():
     f = lambda x: jnp.where(x > 0.0, x * jnp.log(x), 0.0)
     assert "mul" not in SAFE
     assert np.isnan(float(jax.grad(gk.override(f, SAFE))(0.0)))
-    table = SAFE | gk.RuleTable.from_dict({"mul": "safe"})
+    table = SAFE | {"mul": "safe"}  # a library rule by name, as in from_dict
+    assert table == SAFE | gk.RuleTable.from_dict({"mul": "safe"})
     g = jax.vmap(jax.grad(gk.override(f, table)))(jnp.array([0.0, 0.5, 2.0]))
     np.testing.assert_allclose(np.asarray(g), [0.0, np.log(0.5) + 1, np.log(2.0) + 1], rtol=1e-6)
+    h = jax.vmap(jax.hessian(gk.override(f, table)))(jnp.array([0.0, 0.5, 2.0]))
+    np.testing.assert_allclose(np.asarray(h), [0.0, 2.0, 0.5], rtol=1e-6)
 
 
 def test_safe_second_order_reverse_and_jit_vmap():
@@ -205,11 +213,16 @@ def test_straight_through_table():
     np.testing.assert_array_equal(np.asarray(jax.jacfwd(g)(x)), np.full(3, 5.0))
 
 
-# ----------------------------------------------------------------------------- STABLE
+# ----------------------------------------------------------------------------- STABLE, STABLE_FUNCTIONS
 
 
 @gk.op("log1pexp")
 def _user_log1pexp(x):
+    return jnp.log(1 + jnp.exp(x))
+
+
+@gk.op("softplus")
+def _user_softplus(x):
     return jnp.log(1 + jnp.exp(x))
 
 
@@ -218,31 +231,55 @@ def _user_logsumexp(x):
     return jnp.log(jnp.sum(jnp.exp(x)))
 
 
-# entry -> (function whose program contains the name, argument, reference gradient function)
+def _sigmoid_prime(x):
+    return np.exp(-np.abs(x)) / (1 + np.exp(-np.abs(x))) ** 2
+
+
+def _silu_prime(x):
+    return 1 / (1 + np.exp(-x)) * (1 + x * (1 - 1 / (1 + np.exp(-x))))
+
+
+def _sinc_prime(x):
+    return (np.cos(np.pi * x) - np.sin(np.pi * x) / (np.pi * x)) / x
+
+
+_sp = jax.scipy.special
+
+# table key -> (function whose program contains the key, argument, reference gradient function)
 STABLE_TARGETS = {
-    "log1pexp": (lambda x: jnp.sum(_user_log1pexp(x)), jnp.array([-200.0, 0.0, 200.0]), jax.nn.sigmoid),
-    "softplus": (lambda x: jnp.sum(jax.nn.softplus(x)), jnp.array([-200.0, 0.0, 200.0]), jax.nn.sigmoid),
-    "log_sigmoid": (lambda x: jnp.sum(jax.nn.log_sigmoid(x)), jnp.array([-200.0, 0.0, 200.0]),
-                    lambda x: jax.nn.sigmoid(-x)),
-    "logistic": (lambda x: jnp.sum(jax.nn.sigmoid(x)), jnp.array([-20.0, 0.0, 20.0]),
-                 lambda x: np.exp(-np.abs(x)) / (1 + np.exp(-np.abs(x))) ** 2),
-    "sigmoid": (lambda x: jnp.sum(st.sigmoid(x)), jnp.array([-20.0, 0.0, 20.0]),
-                lambda x: np.exp(-np.abs(x)) / (1 + np.exp(-np.abs(x))) ** 2),
-    "silu": (lambda x: jnp.sum(jax.nn.silu(x)), jnp.array([-30.0, 0.0, 30.0]),
-             lambda x: 1 / (1 + np.exp(-x)) * (1 + x * (1 - 1 / (1 + np.exp(-x))))),
+    # STABLE: primitives
+    "logistic": (lambda x: jnp.sum(jax.nn.sigmoid(x)), jnp.array([-20.0, 0.0, 20.0]), _sigmoid_prime),
     "tanh": (lambda x: jnp.sum(jnp.tanh(x)), jnp.array([-10.0, 0.5, 10.0]), lambda x: 1 / np.cosh(x) ** 2),
     "expm1": (lambda x: jnp.sum(jnp.expm1(x)), jnp.array([-20.0, 0.5, 3.0]), np.exp),
-    "logaddexp": (lambda x: jnp.sum(jnp.logaddexp(x, -jnp.inf)), jnp.array([-jnp.inf, 0.0, 1.0]),
-                  lambda x: np.array([0.5, 1.0, 1.0])),  # (-inf, -inf): the limit along x == y
+    # STABLE_FUNCTIONS: JAX's functions, by name
+    "fn:softplus": (lambda x: jnp.sum(jax.nn.softplus(x)), jnp.array([-200.0, 0.0, 200.0]),
+                    lambda x: 1 / (1 + np.exp(-x))),
+    "fn:log_sigmoid": (lambda x: jnp.sum(jax.nn.log_sigmoid(x)), jnp.array([-200.0, 0.0, 200.0]),
+                       lambda x: 1 / (1 + np.exp(x))),
+    "fn:silu": (lambda x: jnp.sum(jax.nn.silu(x)), jnp.array([-30.0, 0.0, 30.0]), _silu_prime),
+    "fn:logaddexp": (lambda x: jnp.sum(jnp.logaddexp(x, -jnp.inf)), jnp.array([-jnp.inf, 0.0, 1.0]),
+                     lambda x: np.array([0.5, 1.0, 1.0])),  # (-inf, -inf): the limit along x == y
+    "fn:xlogy": (lambda x: jnp.sum(_sp.xlogy(x, x)), jnp.array([1.0, 2.0]), lambda x: np.log(x) + 1),
+    "fn:xlog1py": (lambda x: jnp.sum(_sp.xlog1py(0.0, x)), jnp.array([-1.0, 2.0]), np.zeros_like),
+    "fn:sinc": (lambda x: jnp.sum(jnp.sinc(x)), jnp.array([1e-3, 0.3]), _sinc_prime),
+    "fn:hypot": (lambda x: jnp.sum(jnp.hypot(x, x)), jnp.array([0.0, 3e30]), lambda x: np.array([0.0, np.sqrt(2)])),
+    # STABLE_FUNCTIONS: named ops (gradkit.stable's, or your own of that name)
+    "log1pexp": (lambda x: jnp.sum(_user_log1pexp(x)), jnp.array([-200.0, 0.0, 200.0]), lambda x: 1 / (1 + np.exp(-x))),
+    "softplus": (lambda x: jnp.sum(_user_softplus(x)), jnp.array([-200.0, 0.0, 200.0]), lambda x: 1 / (1 + np.exp(-x))),
+    "log_sigmoid": (lambda x: jnp.sum(st.log_sigmoid(x)), jnp.array([-200.0, 0.0, 200.0]),
+                    lambda x: 1 / (1 + np.exp(x))),
+    "sigmoid": (lambda x: jnp.sum(st.sigmoid(x)), jnp.array([-20.0, 0.0, 20.0]), _sigmoid_prime),
+    "silu": (lambda x: jnp.sum(st.silu(x)), jnp.array([-30.0, 0.0, 30.0]), _silu_prime),
+    "logaddexp": (lambda x: jnp.sum(st.logaddexp(x, -jnp.inf)), jnp.array([-jnp.inf, 0.0, 1.0]),
+                  lambda x: np.array([0.5, 1.0, 1.0])),
     "logsumexp": (lambda x: _user_logsumexp(x), jnp.full(4, -jnp.inf), lambda x: np.full(4, 0.25)),
     "softmax": (lambda x: st.softmax(x)[0], jnp.array([0.0, 1.0]),
                 lambda x: np.array([0.19661193, -0.19661193])),
     "log_softmax": (lambda x: st.log_softmax(x)[0], jnp.full(2, -jnp.inf), lambda x: np.array([0.5, -0.5])),
-    "xlogy": (lambda x: jnp.sum(jax.scipy.special.xlogy(x, x)), jnp.array([1.0, 2.0]), lambda x: np.log(x) + 1),
-    "xlog1py": (lambda x: jnp.sum(jax.scipy.special.xlog1py(0.0, x)), jnp.array([-1.0, 2.0]), np.zeros_like),
-    "sinc": (lambda x: jnp.sum(jnp.sinc(x)), jnp.array([1e-3, 0.3]),
-             lambda x: (np.cos(np.pi * x) - np.sin(np.pi * x) / (np.pi * x)) / x),
-    "hypot": (lambda x: jnp.sum(jnp.hypot(x, x)), jnp.array([0.0, 3e30]), lambda x: np.array([0.0, np.sqrt(2)])),
+    "xlogy": (lambda x: jnp.sum(st.xlogy(x, x)), jnp.array([1.0, 2.0]), lambda x: np.log(x) + 1),
+    "xlog1py": (lambda x: jnp.sum(st.xlog1py(0.0, x)), jnp.array([-1.0, 2.0]), np.zeros_like),
+    "sinc": (lambda x: jnp.sum(st.sinc(x)), jnp.array([1e-3, 0.3]), _sinc_prime),
+    "hypot": (lambda x: jnp.sum(st.hypot(x, x)), jnp.array([0.0, 3e30]), lambda x: np.array([0.0, np.sqrt(2)])),
     "log1mexp": (lambda x: jnp.sum(st.log1mexp(x)), jnp.array([1e-3, 3.0]), lambda x: 1 / np.expm1(x)),
     "log_sub_exp": (lambda x: jnp.sum(st.log_sub_exp(x, 0.0)), jnp.array([1e-3, 3.0]),
                     lambda x: 1 / (1 - np.exp(-x))),
@@ -259,37 +296,95 @@ STABLE_TARGETS = {
     "safe_norm": (lambda x: st.safe_norm(x), jnp.zeros(2), lambda x: np.zeros(2)),
     "normalize": (lambda x: st.normalize(x)[0], jnp.zeros(2), lambda x: np.zeros(2)),
 }
+BOTH = STABLE | FUNCTIONS
 
 
-def test_stable_targets_cover_the_table():
-    assert set(STABLE_TARGETS) == set(STABLE)
+def test_stable_targets_cover_the_tables_and_the_tables_split_by_namespace():
+    assert set(STABLE_TARGETS) == set(STABLE) | set(FUNCTIONS)
+    assert set(STABLE) == {"logistic", "tanh", "expm1"}
+    assert not set(STABLE) & set(FUNCTIONS)
+    # the primitive-only tables hold no function keys; STABLE_FUNCTIONS holds no primitive names
+    for table in (SAFE, STABLE, STE):
+        assert all(gk.RuleTable({k: table[k]}) and not k.startswith("fn:") for k in table)
+        assert all(compat.primitive_by_name(k) is not None for k in table), sorted(table)
+    assert not any(compat.primitive_by_name(k) is not None for k in FUNCTIONS)
+    assert {k for k in FUNCTIONS if k.startswith("fn:")} == {
+        "fn:softplus", "fn:log_sigmoid", "fn:silu", "fn:logaddexp", "fn:xlogy", "fn:xlog1py", "fn:sinc", "fn:hypot"}
 
 
 @pytest.mark.parametrize("name", sorted(STABLE_TARGETS))
-def test_every_stable_entry_matches_and_gives_the_stable_gradient(name):
+def test_every_stable_entry_matches_and_gives_the_stable_gradient(name, maybe_jit):
     f, x, ref = STABLE_TARGETS[name]
-    g = gk.override(f, {name: STABLE[name]}, strict=True)  # raises if the name matches nothing
-    got = np.asarray(jax.grad(g)(x))
-    want = np.asarray(ref(np.asarray(x, np.float64)), np.float64)
+    g = gk.override(f, {name: BOTH[name]}, strict=True)  # raises if the name matches nothing
+    got = np.asarray(maybe_jit(jax.grad(g))(x))
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        want = np.asarray(ref(np.asarray(x, np.float64)), np.float64)
     assert np.all(np.isfinite(got)), (name, got)
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-30, err_msg=name)
     np.testing.assert_array_equal(np.asarray(g(x)), np.asarray(jax.jit(f)(x)))
 
 
+@pytest.mark.parametrize("name", sorted(STABLE_TARGETS))
+def test_every_stable_entry_serves_every_mode(name, maybe_jit):
+    """Forward and reverse agree (jvp, jacfwd, jacrev, grad), and so do both Hessians, under jit and vmap."""
+    f, x, _ = STABLE_TARGETS[name]
+    g = gk.override(f, {name: BOTH[name]})
+    x = jnp.where(jnp.isfinite(x), jnp.clip(x, -30.0, 30.0), x)  # keep second derivatives representable
+    if name.removeprefix("fn:") == "xlog1py":
+        # Not at y = -1: gradkit.stable.xlog1py's own forward mode is NaN there (0 * x/(1+y) = 0 * 0/0),
+        # with or without a table; reverse mode is 0 (test above).
+        x = jnp.array([-0.5, 2.0])
+    rev, fwd = maybe_jit(jax.jacrev(g))(x), maybe_jit(jax.jacfwd(g))(x)
+    np.testing.assert_allclose(np.asarray(fwd), np.asarray(rev), rtol=1e-5, atol=1e-30, err_msg=name)
+    t = jnp.linspace(0.5, 1.5, x.shape[0])
+    _, jvp = maybe_jit(lambda x, t: jax.jvp(g, (x,), (t,)))(x, t)
+    fin = np.isfinite(np.asarray(rev))
+    np.testing.assert_allclose(float(jvp), float(np.sum(np.asarray(rev)[fin] * np.asarray(t)[fin])),
+                               rtol=1e-5, atol=1e-30, err_msg=name)
+    h_fr = np.asarray(maybe_jit(jax.hessian(g))(x))
+    h_rr = np.asarray(maybe_jit(jax.jacrev(jax.jacrev(g)))(x))
+    both = np.isfinite(h_fr) & np.isfinite(h_rr)
+    np.testing.assert_allclose(h_fr[both], h_rr[both], rtol=1e-5, atol=1e-6, err_msg=name)
+    batched = maybe_jit(jax.vmap(jax.grad(g)))(jnp.stack([x, x]))
+    np.testing.assert_allclose(np.asarray(batched[1]), np.asarray(rev), rtol=1e-6, atol=1e-30, err_msg=name)
+
+
 def test_stable_fixes_what_jax_gets_wrong_and_supports_forward_mode():
-    for f, x in [(jax.nn.sigmoid, 20.0), (jnp.tanh, 10.0), (jnp.expm1, -20.0)]:
-        assert float(jax.grad(f)(x)) == 0.0  # JAX's own rule cancels to 0
+    for f, x, ref in [(jax.nn.sigmoid, 20.0, _sigmoid_prime), (jnp.tanh, 10.0, lambda x: 1 / np.cosh(x) ** 2),
+                      (jnp.expm1, -20.0, np.exp)]:
+        if f is not jnp.expm1:  # (JAX 0.12 fixed its expm1 rule)
+            assert float(jax.grad(f)(x)) == 0.0  # JAX's own rule cancels to 0
         g = gk.override(f, STABLE)
-        assert float(jax.grad(g)(x)) > 0.0
+        np.testing.assert_allclose(float(jax.grad(g)(x)), ref(x), rtol=2e-6)
         assert float(jax.jacfwd(g)(x)) == float(jax.grad(g)(x))
-    h = jax.hessian(gk.override(lambda x: jnp.sum(jax.nn.softplus(x)), STABLE))(jnp.array([0.0, 100.0]))
+    h = jax.hessian(gk.override(lambda x: jnp.sum(jax.nn.softplus(x)), FUNCTIONS))(jnp.array([0.0, 100.0]))
     np.testing.assert_allclose(np.asarray(h), [[0.25, 0.0], [0.0, 0.0]], atol=1e-30)
 
 
-def test_stable_on_foreign_jit_functions_with_unknown_signature_keeps_their_gradient():
+def test_fn_keys_match_any_function_of_that_name():
+    @jax.jit
+    def softplus(x):  # the user's own, naive: a function called softplus gets softplus's derivative
+        return jnp.log(1.0 + jnp.exp(x))
+
+    f = lambda x: jnp.sum(softplus(x))
+    x = jnp.array([-200.0, 0.0, 200.0])
+    assert not np.all(np.isfinite(np.asarray(jax.grad(f)(x))))
+    np.testing.assert_allclose(np.asarray(jax.grad(gk.override(f, FUNCTIONS))(x)), [0.0, 0.5, 1.0], atol=1e-30)
+
+    @jax.jit
+    def sinc(x, w):  # same name, another signature: a clear error, not a wrong gradient
+        return jnp.sin(x * w)
+
+    with pytest.raises(gk.GradkitError, match=r"^\[gradkit\] rule gradkit.stable\[sinc\] for op 'fn:sinc'.*2 inputs"):
+        jax.grad(gk.override(lambda x: jnp.sum(sinc(x, x)), FUNCTIONS))(x)
+
+
+def test_stable_rule_on_a_jit_function_with_keywords_keeps_its_gradient():
+    # jax.nn.log_softmax's axis is not the stable body's: its own derivative is kept
     f = lambda x: jnp.sum(jax.nn.log_softmax(x, axis=0) * jnp.arange(3.0)[:, None])
     x = jax.random.normal(jax.random.key(1), (3, 2))
-    np.testing.assert_allclose(np.asarray(jax.grad(gk.override(f, STABLE))(x)),
+    table = gk.RuleTable({"fn:log_softmax": "stable"})
+    np.testing.assert_allclose(np.asarray(jax.grad(gk.override(f, table, strict=True))(x)),
                                np.asarray(jax.grad(f)(x)), rtol=1e-6)
 
 
@@ -301,8 +396,57 @@ def test_tables_compose_and_describe():
     assert (SAFE | {"log": custom})["log"] is custom
     f = lambda x: jnp.sum(jnp.round(jnp.where(x > 0, jnp.log(x), 0.0)))
     np.testing.assert_array_equal(np.asarray(jax.grad(gk.override(f, both))(jnp.array([0.0, 2.0]))), [0.0, 0.5])
-    d = tables.describe(SAFE | STABLE | STE)
+    d = tables.describe(SAFE | STABLE | STE | FUNCTIONS | {"my_op": {"rule": "clamped_log", "eps": 0.5}})
     assert d["log"].startswith("safe:") and d["logistic"].startswith("stable:") and "identity" in d["round"]
+    assert d["fn:softplus"] == d["softplus"] and "jax.nn.softplus" in d["fn:softplus"]
+    assert d["my_op"].startswith("clamped_log(eps=0.5)")
     lib = tables.library()
     assert {"safe", "stable", "straight_through", "clamped_log", "clip_gradient", "scale_gradient"} <= set(lib)
     assert all(r.doc for r in lib.values())
+    assert all(t[k].mode == "jvp" for t in (SAFE, STABLE, STE, FUNCTIONS) for k in t)  # every mode
+
+
+# ----------------------------------------------------------------------------- SAFE in every mode: checks
+
+
+def test_safe_passes_check_grads_to_second_order_wherever_the_plain_gradient_is_finite():
+    """gk.check_grads(override(f, SAFE), order=2): both modes, against float64 finite differences."""
+    x = jnp.array([0.3, 0.7, 1.6])
+    cases = {  # each SAFE primitive, at points where it is smooth; guarded versions where the guard is off
+        "sqrt": lambda x: jnp.sqrt(x), "rsqrt": lambda x: jax.lax.rsqrt(x), "cbrt": jnp.cbrt, "log": jnp.log,
+        "log1p": jnp.log1p, "acos": lambda x: jnp.arccos(x / 2), "asin": lambda x: jnp.arcsin(x / 2),
+        "acosh": lambda x: jnp.arccosh(1 + x), "atanh": lambda x: jnp.arctanh(x / 2),
+        "lgamma": jax.lax.lgamma, "digamma": jax.lax.digamma, "erf_inv": lambda x: jax.lax.erf_inv(x / 2),
+        "integer_pow": lambda x: x ** -3 + x ** 2, "div": lambda x: x / (1 + x), "rem": lambda x: jax.lax.rem(x, 2.5),
+        "atan2": lambda x: jnp.arctan2(x, 1 + x), "pow": lambda x: x ** x,
+        "guarded": lambda x: jnp.where(x > 0, jnp.log(x) + jnp.sqrt(x) / x, 0.0),
+    }
+    assert set(cases) >= set(SAFE)
+    for name, fn in cases.items():
+        f = lambda x: jnp.sum(fn(x))
+        assert np.all(np.isfinite(np.asarray(jax.grad(f)(x)))), name
+        report = gk.check_grads(gk.override(f, SAFE), (x,), order=2)
+        assert report.passed, (name, str(report))
+
+
+def test_safe_accepts_python_float_cotangents():
+    f = gk.override(lambda x: jnp.sqrt(x) / 2.0, SAFE)
+    (g,) = jax.vjp(f, 4.0)[1](1.0)
+    assert float(g) == 0.125
+    (g,) = jax.vjp(gk.override(lambda x, y: x / y, SAFE), 3.0, 2.0)[1](1.0)[:1]
+    assert float(g) == 0.5
+
+
+def test_safe_serves_forward_mode_through_x_squared():
+    """``x ** 2`` is integer_pow, a SAFE primitive: forward mode used to stop there."""
+    def model(w, x):
+        h = jnp.tanh(x @ w)
+        return jnp.mean((h - 1.0) ** 2) + 1e-3 * jnp.sum(w ** 2)
+
+    w = jax.random.normal(jax.random.key(0), (3, 2))
+    x = jax.random.normal(jax.random.key(1), (4, 3))
+    f = gk.override(model, SAFE | STABLE)
+    np.testing.assert_allclose(np.asarray(jax.jacfwd(f)(w, x)), np.asarray(jax.jacfwd(model)(w, x)), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(jax.hessian(f)(w, x)), np.asarray(jax.hessian(model)(w, x)),
+                               rtol=1e-4, atol=1e-6)
+    assert gk.check_grads(f, (w, x), order=2).passed

@@ -1,18 +1,23 @@
 """The rule library: named, parameterised rules that tables and configs refer to.
 
-Three families:
+Two families of op-specific rules, one :class:`OpRule` record each (what it
+fixes, how it is built, which ready table ships it):
 
-* ``safe`` rules (one per singular primitive): the primitive's own VJP, but
-  exactly 0 wherever the incoming cotangent is 0, computed at a safe point so
-  ``0 * inf`` and ``0 * NaN`` never appear. Where the cotangent is nonzero the
-  formula is JAX's own, operation for operation, so gradients that were
-  finite are bit-identical.
-* ``stable`` rules (one per :mod:`gradkit.stable` op, plus JAX functions and
-  primitives whose derivative is inaccurate): the stable derivative, as a JVP
-  rule, so forward mode and higher orders work through it.
-* generic rules with parameters: ``straight_through``, ``zero``,
-  ``clamped_log``, ``clamped_sqrt``, ``scale_gradient``, ``reverse_gradient``,
-  ``clip_gradient``.
+* ``safe`` (one per singular primitive, :mod:`gradkit._src.safe_rules`): the
+  primitive's own derivative, exactly 0 wherever the incoming (co)tangent is
+  0, so ``0 * inf`` and ``0 * NaN`` never appear; elsewhere JAX's own
+  arithmetic, so gradients that were finite are bit-identical.
+* ``stable`` (:mod:`gradkit._src.stable_rules`): the derivative of a
+  :mod:`gradkit.stable` function or a numerics kernel, for the primitives
+  whose JAX derivative is inaccurate, the :mod:`gradkit.stable` named ops and
+  the JAX functions they replace.
+
+Both are JVP rules: forward mode, reverse mode (JAX transposes them) and every
+higher order go through them.
+
+And generic rules with parameters: ``straight_through``, ``zero``,
+``clamped_log``, ``clamped_sqrt``, ``scale_gradient``, ``reverse_gradient``,
+``clip_gradient``.
 
 Every rule built here has ``key = ("gradkit", rule_name, sorted params)``, so
 a table's fingerprint does not depend on the process.
@@ -21,6 +26,7 @@ a table's fingerprint does not depend on the process.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -28,364 +34,132 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-from gradkit._src import compat
+from gradkit import stable as st
 from gradkit._src import numerics as _k
+from gradkit._src import safe_rules, stable_rules
+from gradkit._src.compat import FUNCTION_PREFIX
 from gradkit._src.errors import GradkitError, near_misses
 from gradkit._src.rule import OpView, Rule
+from gradkit._src.stable_rules import default_jvp, op_function
 
-# =========================================================================== safe (VJP)
+# =========================================================================== op rules: one record each
 
+RuleFn = Callable[[OpView, Any], Any]
 
-def _unbroadcast(ct: Any, like: Any) -> Any:
-    """Sums ``ct`` down to ``like``'s shape (for rank-0 operands of binary primitives)."""
-    shape = np.shape(like)
-    if np.shape(ct) == shape:
-        return ct
-    extra = len(np.shape(ct)) - len(shape)
-    ct = jnp.sum(ct, axis=tuple(range(extra))) if extra > 0 else ct
-    axes = tuple(i for i, (a, b) in enumerate(zip(np.shape(ct), shape)) if b == 1 and a != 1)
-    return jnp.sum(ct, axis=axes, keepdims=True) if axes else ct
 
+@dataclasses.dataclass(frozen=True)
+class OpRule:
+    """One op-specific rule of a family (``safe``, ``stable``).
 
-def _guard(z: jax.Array, x: jax.Array, value: float = 1.0) -> jax.Array:
-    """``x`` where the cotangent is nonzero, ``value`` (a harmless point) where it is 0."""
-    return jnp.where(z, jnp.asarray(value, x.dtype), x)
-
-
-def _mask(z: jax.Array, ct: jax.Array) -> jax.Array:
-    return jnp.where(z, jnp.zeros((), ct.dtype), ct)
-
-
-def _const(x: jax.Array, v: float) -> jax.Array:
-    return jnp.asarray(v, dtype=x.dtype)
-
-
-def _safe_unary(prim_name: str, deriv: Callable[[OpView, jax.Array, jax.Array, jax.Array], jax.Array]):
-    """A VJP rule ``ct = g * deriv(...)`` evaluated at a guarded point, 0 where ``g == 0``."""
-
-    def rule(op: OpView, g: jax.Array) -> tuple[jax.Array]:
-        (x,) = op.inputs
-        z = g == 0
-        gs, xs = _guard(z, g), _guard(z, x)
-        # The output is recomputed from the guarded input (not guarded itself), so
-        # the formula has the same shape as JAX's and XLA simplifies it the same
-        # way (e.g. 0.5 / sqrt(x) -> 0.5 * rsqrt(x) under jit).
-        if op.name == prim_name:  # the primitive itself: same params (accuracy, ...)
-            ans = compat.bind_primitive(compat.primitive_by_name(prim_name), (xs,), dict(op.params))[0]
-        else:  # the rule retargeted to another op (a named op wrapping the primitive)
-            ans = getattr(lax, prim_name)(xs)
-        return (_mask(z, deriv(op, gs, xs, ans)),)
-
-    return rule
-
-
-def _sqrt(op, g, x, ans):
-    return g * (_const(x, 0.5) / ans)
-
-
-def _rsqrt(op, g, x, ans):
-    return g * (_const(x, -0.5) * (ans / x))
-
-
-def _cbrt(op, g, x, ans):
-    return g * (_const(x, 1 / 3) * lax.integer_pow(ans, -2))
-
-
-def _log(op, g, x, ans):
-    return g / x
-
-
-def _log1p(op, g, x, ans):
-    return g / (x + _const(x, 1))
-
-
-def _acos(op, g, x, ans):
-    return g * lax.neg(lax.rsqrt(_const(x, 1) - lax.square(x)))
-
-
-def _asin(op, g, x, ans):
-    return g * lax.rsqrt(_const(x, 1) - lax.square(x))
-
-
-def _acosh(op, g, x, ans):
-    return g * lax.rsqrt(lax.square(x) - _const(x, 1))
-
-
-def _atanh(op, g, x, ans):
-    return (lax.integer_pow(_const(x, 1) + x, -1) * g) / (_const(x, 1) - x)
-
-
-def _lgamma(op, g, x, ans):
-    return g * lax.digamma(x)
-
-
-def _digamma(op, g, x, ans):
-    return g * lax.polygamma(_const(x, 1), x)
-
-
-def _erf_inv(op, g, x, ans):
-    return (_const(x, math.sqrt(math.pi) / 2.0) * g) * lax.exp(lax.square(ans))
-
-
-def _safe_integer_pow(op: OpView, g: jax.Array) -> tuple[jax.Array]:
-    (x,) = op.inputs
-    y = op.params["y"]
-    if y == 0:
-        return (jnp.zeros_like(x),)
-    if y == 1:
-        return (g,)
-    if y == 2:
-        return (g * (_const(x, 2) * x),)
-    if y > 0:
-        return (g * (_const(x, y) * lax.integer_pow(x, y - 1)),)
-    z = g == 0
-    xs = _guard(z, x)
-    return (_mask(z, _guard(z, g) * (_const(x, y) * lax.integer_pow(xs, y - 1))),)
-
-
-def _safe_mul(op: OpView, g: Any) -> tuple[Any, Any]:
-    x, y = op.inputs
-    if g is None or not jnp.issubdtype(jnp.result_type(g), jnp.inexact):
-        return None, None
-    z = g == 0
-    gs, xs, ys = _guard(z, g), _guard(z, x), _guard(z, y)
-    return _unbroadcast(_mask(z, gs * ys), x), _unbroadcast(_mask(z, xs * gs), y)
-
-
-def _safe_div(op: OpView, g: jax.Array) -> tuple[jax.Array, jax.Array]:
-    x, y = op.inputs
-    z = g == 0
-    gs, xs, ys = _guard(z, g), _guard(z, x), _guard(z, y)
-    ct_x = _mask(z, gs / ys)
-    ct_y = _mask(z, lax.neg((gs * lax.integer_pow(ys, -2)) * xs))
-    return _unbroadcast(ct_x, x), _unbroadcast(ct_y, y)
-
-
-def _safe_rem(op: OpView, g: jax.Array) -> tuple[jax.Array, jax.Array]:
-    x, y = op.inputs
-    z = g == 0
-    gs, xs, ys = _guard(z, g), _guard(z, x), _guard(z, y)
-    q = xs / ys
-    ct_y = _mask(z, lax.neg(gs * (lax.sign(q) * lax.floor(lax.abs(q)))))
-    return _unbroadcast(g, x), _unbroadcast(ct_y, y)
-
-
-def _safe_atan2(op: OpView, g: jax.Array) -> tuple[jax.Array, jax.Array]:
-    x, y = op.inputs  # lax.atan2(x, y) = atan(x / y)
-    z = g == 0
-    gs, xs, ys = _guard(z, g), _guard(z, x), _guard(z, y)
-    den = lax.square(xs) + lax.square(ys)
-    ct_x = _mask(z, gs * (ys / den))
-    ct_y = _mask(z, gs * (lax.neg(xs) / den))
-    return _unbroadcast(ct_x, x), _unbroadcast(ct_y, y)
-
-
-def _safe_pow(op: OpView, g: jax.Array) -> tuple[jax.Array, jax.Array]:
-    x, y = op.inputs
-    ans = op.outputs[0]
-    z = g == 0
-    gs, xs, anss = _guard(z, g), _guard(z, x), _guard(z, ans)
-    rdt = ans.dtype
-    yf = jnp.asarray(y).astype(rdt)
-    xf = xs.astype(rdt)
-    if jnp.issubdtype(jnp.asarray(y).dtype, jnp.integer):
-        if xf.shape != yf.shape:
-            shape = jnp.broadcast_shapes(xf.shape, yf.shape)
-            xf, yf = jnp.broadcast_to(xf, shape), jnp.broadcast_to(yf, shape)
-        # JAX's formula: select(y == 0, 0, replace_zero(y) * x^(y - 1))
-        jac = jnp.where(yf == 0, jnp.zeros_like(yf),
-                        jnp.where(yf == 0, jnp.ones_like(yf), yf) * lax.pow(xf, yf - jnp.ones_like(yf)))
-        ct_y = None
-    else:
-        jac = yf * lax.pow(xf, yf - jnp.ones_like(yf))
-        log_x = lax.log(jnp.where(xf == 0, jnp.ones_like(xf), xf))
-        ct_y = _unbroadcast(_mask(z, gs * (log_x * anss)), y).astype(jnp.asarray(y).dtype)
-    ct_x = _unbroadcast(_mask(z, gs * jac), x)
-    return ct_x, ct_y
-
-
-#: primitive name -> VJP rule function.
-SAFE_RULES: dict[str, Callable[[OpView, Any], Any]] = {
-    "sqrt": _safe_unary("sqrt", _sqrt),
-    "rsqrt": _safe_unary("rsqrt", _rsqrt),
-    "cbrt": _safe_unary("cbrt", _cbrt),
-    "log": _safe_unary("log", _log),
-    "log1p": _safe_unary("log1p", _log1p),
-    "acos": _safe_unary("acos", _acos),
-    "asin": _safe_unary("asin", _asin),
-    "acosh": _safe_unary("acosh", _acosh),
-    "atanh": _safe_unary("atanh", _atanh),
-    "lgamma": _safe_unary("lgamma", _lgamma),
-    "digamma": _safe_unary("digamma", _digamma),
-    "erf_inv": _safe_unary("erf_inv", _erf_inv),
-    "integer_pow": _safe_integer_pow,
-    "mul": _safe_mul,
-    "div": _safe_div,
-    "rem": _safe_rem,
-    "atan2": _safe_atan2,
-    "pow": _safe_pow,
-}
-
-SAFE_DOCS: dict[str, str] = {
-    "sqrt": "0.5/sqrt(x): inf at 0", "rsqrt": "-0.5 x^-1.5: inf at 0", "cbrt": "x^(-2/3)/3: inf at 0",
-    "log": "1/x: inf at 0", "log1p": "1/(1+x): inf at -1",
-    "mul": "the other operand: x * log(x) is 0 * -inf at 0",
-    "acos": "-1/sqrt(1-x^2): inf at ±1", "asin": "1/sqrt(1-x^2): inf at ±1",
-    "acosh": "1/sqrt(x^2-1): inf at 1", "atanh": "1/(1-x^2): inf at ±1",
-    "lgamma": "digamma: poles at 0, -1, ...", "digamma": "trigamma: poles at 0, -1, ...",
-    "erf_inv": "inf at ±1", "integer_pow": "y x^(y-1): inf at 0 for y < 0", "div": "1/y, x/y^2: inf at y = 0",
-    "rem": "x/y: inf at y = 0", "atan2": "(y, -x)/(x^2+y^2): NaN at the origin",
-    "pow": "y x^(y-1): inf/NaN at x = 0; x^y log x: NaN at x = 0",
-}
-
-
-# =========================================================================== stable (JVP)
-
-
-def _is_foreign_jit(op: OpView) -> bool:
-    """A ``jax.jit``-ed function matched by name (not a gradkit named op): its params are jit's."""
-    return isinstance(op.params.get("jaxpr"), compat.ClosedJaxpr)
-
-
-def op_function(op: OpView, rule_name: str) -> Callable[..., Any]:
-    """The matched op as a function of its inputs, to get its own (JAX) derivative.
-
-    Available for primitives and ``jax.jit``-ed functions matched by name.
-    """
-    params = dict(op.params)
-    if _is_foreign_jit(op):
-        closed = params["jaxpr"]
-
-        def fun(*xs):
-            out = compat.eval_jaxpr(closed, xs)
-            return out[0] if len(out) == 1 else tuple(out)
-
-        return fun
-    prim = compat.primitive_by_name(op.name)
-    if prim is None:
-        raise GradkitError(
-            f"rule {rule_name} for op '{op.name}' at {op.source} needs the op's own derivative, which gradkit "
-            "can rebuild only for JAX primitives and jax.jit-ed functions matched by name. For a gk.op or a "
-            "custom_jvp function, write the rule with gk.jvp_rule / gk.vjp_rule, or wrap the call site with "
-            "gradkit.estimators.scale_gradient / clip_gradient instead.")
-
-    def fun(*xs):
-        out = compat.bind_primitive(prim, xs, params)
-        return out[0] if len(out) == 1 else tuple(out)
-
-    return fun
-
-
-def _zeros_for(x: Any) -> Any:
-    if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
-        return jnp.zeros(np.shape(x), jnp.result_type(x))
-    return np.zeros(np.shape(x), jax.dtypes.float0)
-
-
-def default_jvp(op: OpView, tangents: tuple[Any, ...], rule_name: str) -> Any:
-    """``jax.jvp`` of the op's own function (see :func:`op_function`)."""
-    primals = tuple(op.inputs)
-    ts = tuple(_zeros_for(p) if t is None else t for p, t in zip(primals, tangents))
-    _, t_out = jax.jvp(op_function(op, rule_name), primals, ts)
-    return t_out
-
-
-def _jvp_via(body: Callable[..., Any], keywords: tuple[str, ...] = ()):
-    """A JVP rule that differentiates ``body(*op.inputs, **params)``, a stable function with a custom_jvp.
-
-    Only float inputs are differentiated (``None`` and boolean/integer inputs
-    are held fixed); only ``keywords`` are read from ``op.params`` (a foreign
-    op's params are not the body's). A ``jax.jit``-ed function matched by
-    name whose signature the body cannot know (``jax.nn.log_softmax``'s
-    ``axis``) keeps its own derivative.
+    Attributes:
+      op: the entry's name, what ``{rule = "safe", op = ...}`` refers to.
+      doc: what the rule computes, one line (``gradkit rules`` shows it).
+      build: makes the rule function ``fn(op, tangents)`` (a JVP rule).
+      keys: the table keys the ready table ships it under (``"fn:softplus"``
+        for JAX's function, the bare name for a primitive or a named op).
+      table: the ready table in :mod:`gradkit.tables` that ships it, or ``None``
+        (opt-in: build it by name).
     """
 
-    def rule(op: OpView, tangents: tuple[Any, ...]) -> Any:
-        if keywords and _is_foreign_jit(op):
-            return default_jvp(op, tangents, "gradkit.stable")
-        inputs = list(op.inputs)
-        idx = [i for i, x in enumerate(inputs)
-               if x is not None and jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
-        kw = {k: op.params[k] for k in keywords if k in op.params}
-
-        def f(*xs):
-            args = list(inputs)
-            for i, x in zip(idx, xs):
-                args[i] = x
-            return body(*args, **kw)
-
-        primals = tuple(jnp.asarray(inputs[i]) for i in idx)
-        ts = tuple(jnp.zeros_like(p) if i >= len(tangents) or tangents[i] is None else
-                   jnp.asarray(tangents[i]).astype(p.dtype) for i, p in zip(idx, primals))
-        _, t_out = jax.jvp(f, primals, ts)
-        return t_out
-
-    return rule
+    op: str
+    doc: str
+    build: Callable[[], RuleFn]
+    keys: tuple[str, ...]
+    table: str | None
 
 
-def _stable_rules() -> dict[str, Callable[[OpView, Any], Any]]:
-    from gradkit import stable as st
-
-    def body(fn: Any) -> Callable[..., Any]:
-        return getattr(fn, "__wrapped__", fn)  # a gk.op's undecorated function
-
-    rules: dict[str, Callable[[OpView, Any], Any]] = {}
-    for name, fn in {
-        "log1pexp": st.log1pexp, "softplus": st.log1pexp, "log_sigmoid": st.log_sigmoid, "sigmoid": st.sigmoid,
-        "silu": st.silu, "log1mexp": st.log1mexp, "softplus_inverse": st.softplus_inverse,
-        "log_cosh": st.log_cosh, "safe_sqrt": st.safe_sqrt, "safe_arccos": st.safe_arccos,
-        "safe_arcsin": st.safe_arcsin, "sinc": st.sinc, "logaddexp": st.logaddexp, "xlogy": st.xlogy,
-        "xlog1py": st.xlog1py, "log_sub_exp": st.log_sub_exp, "safe_div": st.safe_div,
-        "safe_arctan2": st.safe_arctan2, "safe_pow": st.safe_pow, "hypot": st.hypot,
-    }.items():
-        rules[name] = _jvp_via(body(fn))
-    for name, fn in {"logistic": _k.sigmoid, "tanh": _k.tanh, "expm1": _k.expm1}.items():
-        rules[name] = _jvp_via(fn)
-    # A user's own op of that name may take just (a,) or (x,): the optional inputs default to None.
-    lse, sm, lsm = body(st._logsumexp_op), body(st._softmax_op), body(st._log_softmax_op)
-    rules["logsumexp"] = _jvp_via(lambda a, b=None, where=None, **kw: lse(a, b, where, **kw),
-                                  ("axis", "keepdims", "return_sign"))
-    rules["softmax"] = _jvp_via(lambda x, where=None, **kw: sm(x, where, **kw), ("axis",))
-    rules["log_softmax"] = _jvp_via(lambda x, where=None, **kw: lsm(x, where, **kw), ("axis",))
-    rules["safe_norm"] = _jvp_via(body(st._safe_norm_op), ("ord", "axis", "keepdims", "min_norm"))
-    rules["normalize"] = _jvp_via(body(st._normalize_op), ("axis",))
-    rules["safe_log"] = _jvp_via(body(st._safe_log_op), ("eps",))
-    return rules
+def _safe(op: str, doc: str, table: str | None = "SAFE") -> OpRule:
+    return OpRule(op, doc, functools.partial(safe_rules.safe_rule, op), (op,), table)
 
 
-STABLE_DOCS: dict[str, str] = {
-    "log1pexp": "gk.stable.log1pexp: d = sigmoid(x)",
-    "softplus": "jax.nn.softplus / gk.op('softplus'): d = sigmoid(x)",
-    "log_sigmoid": "jax.nn.log_sigmoid / gk.stable.log_sigmoid: d = sigmoid(-x)",
-    "sigmoid": "gk.stable.sigmoid: d = e/(1 + e(2 + e)), e = e^-|x|",
-    "logistic": "the lax.logistic primitive (jax.nn.sigmoid): d = e/(1 + e(2 + e)), e = e^-|x|, instead of s(1-s)",
-    "silu": "jax.nn.silu / gk.stable.silu: accurate silu'",
-    "tanh": "the tanh primitive: d = 4 sigmoid'(2x) instead of (1+t)(1-t)",
-    "expm1": "the expm1 primitive: d = exp(x) instead of expm1(x) + 1",
-    "logaddexp": "jnp.logaddexp / gk.stable.logaddexp: (sigmoid(x-y), sigmoid(y-x)), exact x - y",
-    "logsumexp": "gk.stable.logsumexp: softmax weights, finite for infinite maxima",
-    "softmax": "gk.stable.softmax", "log_softmax": "gk.stable.log_softmax",
-    "xlogy": "jax.scipy.special.xlogy / gk.stable.xlogy: d/dy = 0 where x == 0",
-    "xlog1py": "jax.scipy.special.xlog1py / gk.stable.xlog1py: d/dy = 0 where x == 0",
-    "log1mexp": "gk.stable.log1mexp: d = 1/expm1(x)", "log_sub_exp": "gk.stable.log_sub_exp",
-    "softplus_inverse": "gk.stable.softplus_inverse", "log_cosh": "gk.stable.log_cosh: d = tanh(x)",
-    "safe_sqrt": "gk.stable.safe_sqrt", "safe_log": "gk.stable.safe_log", "safe_div": "gk.stable.safe_div",
-    "safe_arctan2": "gk.stable.safe_arctan2", "safe_pow": "gk.stable.safe_pow",
-    "safe_arccos": "gk.stable.safe_arccos", "safe_arcsin": "gk.stable.safe_arcsin",
-    "sinc": "jnp.sinc / gk.stable.sinc: exact at every order", "hypot": "jnp.hypot / gk.stable.hypot",
-    "safe_norm": "gk.stable.safe_norm", "normalize": "gk.stable.normalize",
-}
-
-_STABLE_RULES: dict[str, Callable[[OpView, Any], Any]] | None = None
+SAFE_FAMILY: dict[str, OpRule] = {r.op: r for r in [
+    _safe("sqrt", "0.5/sqrt(x): inf at 0"),
+    _safe("rsqrt", "-0.5 x^-1.5: inf at 0"),
+    _safe("cbrt", "x^(-2/3)/3: inf at 0"),
+    _safe("log", "1/x: inf at 0"),
+    _safe("log1p", "1/(1+x): inf at -1"),
+    _safe("acos", "-1/sqrt(1-x^2): inf at ±1"),
+    _safe("asin", "1/sqrt(1-x^2): inf at ±1"),
+    _safe("acosh", "1/sqrt(x^2-1): inf at 1"),
+    _safe("atanh", "1/(1-x^2): inf at ±1"),
+    _safe("lgamma", "digamma: poles at 0, -1, ..."),
+    _safe("digamma", "trigamma: poles at 0, -1, ..."),
+    _safe("erf_inv", "inf at ±1"),
+    _safe("integer_pow", "y x^(y-1): inf at 0 for y < 0"),
+    _safe("div", "1/y, x/y^2: inf at y = 0"),
+    _safe("rem", "x/y: inf at y = 0"),
+    _safe("atan2", "(y, -x)/(x^2+y^2): NaN at the origin"),
+    _safe("pow", "y x^(y-1): inf/NaN at x = 0; x^y log x: NaN at x = 0"),
+    # Opt-in: it would wrap every multiplication of a model.
+    _safe("mul", "the other operand: x * log(x) is 0 * -inf at 0", table=None),
+]}
 
 
-def stable_rules() -> dict[str, Callable[[OpView, Any], Any]]:
-    global _STABLE_RULES
-    if _STABLE_RULES is None:
-        _STABLE_RULES = _stable_rules()
-    return _STABLE_RULES
+def _body(fn: Any) -> Callable[..., Any]:
+    return getattr(fn, "__wrapped__", fn)  # a gk.op's undecorated function
+
+
+def _stable(op: str, doc: str, fn: Callable[..., Any], keywords: tuple[str, ...] = (), *,
+            jax_function: bool = False, primitive: bool = False) -> OpRule:
+    build = functools.partial(stable_rules.jvp_via, fn, keywords, label=f"gradkit.stable[{op}]")
+    if primitive:
+        return OpRule(op, doc, build, (op,), "STABLE")
+    keys = (op, FUNCTION_PREFIX + op) if jax_function else (op,)
+    return OpRule(op, doc, build, keys, "STABLE_FUNCTIONS")
+
+
+# A user's own op of that name may take just (a,) or (x,): the optional inputs default to None.
+_lse, _sm, _lsm = _body(st._logsumexp_op), _body(st._softmax_op), _body(st._log_softmax_op)
+
+STABLE_FAMILY: dict[str, OpRule] = {r.op: r for r in [
+    # Primitives whose JAX derivative cancels or overflows.
+    _stable("logistic", "the lax.logistic primitive (jax.nn.sigmoid): d = e/(1 + e(2 + e)), e = e^-|x|, "
+            "instead of s(1-s)", _k.sigmoid, primitive=True),
+    _stable("tanh", "the tanh primitive: d = 4 sigmoid'(2x) instead of (1+t)(1-t)", _k.tanh, primitive=True),
+    _stable("expm1", "the expm1 primitive: d = exp(x) instead of expm1(x) + 1", _k.expm1, primitive=True),
+    # gradkit.stable named ops (for a user's gk.op of that name) and the JAX functions they replace.
+    _stable("log1pexp", "gk.stable.log1pexp: d = sigmoid(x)", _body(st.log1pexp)),
+    _stable("softplus", "jax.nn.softplus / gk.op('softplus'): d = sigmoid(x)", _body(st.log1pexp),
+            jax_function=True),
+    _stable("log_sigmoid", "jax.nn.log_sigmoid / gk.stable.log_sigmoid: d = sigmoid(-x)", _body(st.log_sigmoid),
+            jax_function=True),
+    _stable("sigmoid", "gk.stable.sigmoid: d = e/(1 + e(2 + e)), e = e^-|x|", _body(st.sigmoid)),
+    _stable("silu", "jax.nn.silu / gk.stable.silu: accurate silu'", _body(st.silu), jax_function=True),
+    _stable("logaddexp", "jnp.logaddexp / gk.stable.logaddexp: (sigmoid(x-y), sigmoid(y-x)), exact x - y",
+            _body(st.logaddexp), jax_function=True),
+    _stable("logsumexp", "gk.stable.logsumexp: softmax weights, finite for infinite maxima",
+            lambda a, b=None, where=None, **kw: _lse(a, b, where, **kw), ("axis", "keepdims", "return_sign")),
+    _stable("softmax", "gk.stable.softmax", lambda x, where=None, **kw: _sm(x, where, **kw), ("axis",)),
+    _stable("log_softmax", "gk.stable.log_softmax", lambda x, where=None, **kw: _lsm(x, where, **kw), ("axis",)),
+    _stable("xlogy", "jax.scipy.special.xlogy / gk.stable.xlogy: d/dy = 0 where x == 0", _body(st.xlogy),
+            jax_function=True),
+    _stable("xlog1py", "jax.scipy.special.xlog1py / gk.stable.xlog1py: d/dy = 0 where x == 0", _body(st.xlog1py),
+            jax_function=True),
+    _stable("log1mexp", "gk.stable.log1mexp: d = 1/expm1(x)", _body(st.log1mexp)),
+    _stable("log_sub_exp", "gk.stable.log_sub_exp", _body(st.log_sub_exp)),
+    _stable("softplus_inverse", "gk.stable.softplus_inverse", _body(st.softplus_inverse)),
+    _stable("log_cosh", "gk.stable.log_cosh: d = tanh(x)", _body(st.log_cosh)),
+    _stable("safe_sqrt", "gk.stable.safe_sqrt", _body(st.safe_sqrt)),
+    _stable("safe_log", "gk.stable.safe_log", _body(st._safe_log_op), ("eps",)),
+    _stable("safe_div", "gk.stable.safe_div", _body(st.safe_div)),
+    _stable("safe_arctan2", "gk.stable.safe_arctan2", _body(st.safe_arctan2)),
+    _stable("safe_pow", "gk.stable.safe_pow", _body(st.safe_pow)),
+    _stable("safe_arccos", "gk.stable.safe_arccos", _body(st.safe_arccos)),
+    _stable("safe_arcsin", "gk.stable.safe_arcsin", _body(st.safe_arcsin)),
+    _stable("sinc", "jnp.sinc / gk.stable.sinc: exact at every order", _body(st.sinc), jax_function=True),
+    _stable("hypot", "jnp.hypot / gk.stable.hypot", _body(st.hypot), jax_function=True),
+    _stable("safe_norm", "gk.stable.safe_norm", _body(st._safe_norm_op), ("ord", "axis", "keepdims", "min_norm")),
+    _stable("normalize", "gk.stable.normalize", _body(st._normalize_op), ("axis",)),
+]}
+
+FAMILIES: dict[str, dict[str, OpRule]] = {"safe": SAFE_FAMILY, "stable": STABLE_FAMILY}
+
+
+def ready_table(family: str, table: str) -> dict[str, Rule]:
+    """The entries of ready table ``table`` made of ``family``'s rules: ``{key: rule}``."""
+    return {key: make_rule(family, key, {"op": r.op})
+            for r in FAMILIES[family].values() if r.table == table for key in r.keys}
 
 
 # =========================================================================== generic rules
@@ -464,14 +238,12 @@ def _clip(params: Mapping[str, Any], op_name: str) -> Rule:
     return Rule(rule, mode="vjp", name="gradkit.clip_gradient")
 
 
-def _safe_factory(params: Mapping[str, Any], op_name: str) -> Rule:
-    target = params["op"]
-    return Rule(SAFE_RULES[target], mode="vjp", name=f"gradkit.safe[{target}]")
+def _family_factory(family: str) -> Callable[[Mapping[str, Any], str], Rule]:
+    def factory(params: Mapping[str, Any], op_name: str) -> Rule:
+        target = params["op"]
+        return Rule(FAMILIES[family][target].build(), mode="jvp", name=f"gradkit.{family}[{target}]")
 
-
-def _stable_factory(params: Mapping[str, Any], op_name: str) -> Rule:
-    target = params["op"]
-    return Rule(stable_rules()[target], mode="jvp", name=f"gradkit.stable[{target}]")
+    return factory
 
 
 # =========================================================================== registry
@@ -502,7 +274,7 @@ class LibraryRule:
     doc: str
     params: tuple[Param, ...]
     factory: Callable[[Mapping[str, Any], str], Rule]
-    op_dependent: bool = False  # its ``op`` parameter defaults to the table entry's name
+    op_dependent: bool = False  # its ``op`` parameter defaults to the table entry's name (less "fn:")
 
     def signature(self) -> str:
         parts = []
@@ -527,10 +299,13 @@ def _finite(v: float) -> str | None:
 
 
 LIBRARY: dict[str, LibraryRule] = {r.name: r for r in [
-    LibraryRule("safe", "The primitive's own VJP, but 0 wherever the incoming cotangent is 0 (no 0*inf NaNs).",
-                (Param("op", "str", "which SAFE entry to use", default=None),), _safe_factory, op_dependent=True),
-    LibraryRule("stable", "The stable derivative of a gradkit.stable op (or a JAX function it replaces).",
-                (Param("op", "str", "which STABLE entry to use", default=None),), _stable_factory,
+    LibraryRule("safe", "The primitive's own derivative, but 0 wherever the incoming (co)tangent is 0 "
+                "(no 0*inf NaNs); all modes.",
+                (Param("op", "str", "which safe rule to use", default=None),), _family_factory("safe"),
+                op_dependent=True),
+    LibraryRule("stable", "The stable derivative of a primitive, a gradkit.stable op or a JAX function it "
+                "replaces; all modes.",
+                (Param("op", "str", "which stable rule to use", default=None),), _family_factory("stable"),
                 op_dependent=True),
     LibraryRule("straight_through", "Identity gradient: the op's first input gets the output's tangent.", (),
                 _straight_through),
@@ -602,7 +377,7 @@ def make_rule(rule_name: str, op_name: str, params: Mapping[str, Any] | None = N
         if p.name in params:
             resolved[p.name] = _check_value(rule, p, params[p.name], where)
         elif rule.op_dependent and p.name == "op":
-            resolved["op"] = op_name
+            resolved["op"] = op_name.removeprefix(FUNCTION_PREFIX)
         elif p.required:
             raise GradkitError(
                 f"{where}: rule '{rule_name}' needs parameter `{p.name}` ({p.doc}). {rule.signature()}.")
@@ -612,7 +387,7 @@ def make_rule(rule_name: str, op_name: str, params: Mapping[str, Any] | None = N
         raise GradkitError(f"{where}: rule 'clip_gradient' needs lo <= hi, got lo={resolved['lo']}, "
                            f"hi={resolved['hi']}.")
     if rule.op_dependent:
-        valid_ops = SAFE_RULES if rule_name == "safe" else STABLE_DOCS
+        valid_ops = FAMILIES[rule_name]
         if resolved["op"] not in valid_ops:
             close = near_misses(resolved["op"], valid_ops)
             hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""

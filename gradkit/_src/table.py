@@ -1,25 +1,53 @@
-"""RuleTable: an immutable mapping from op name to Rule."""
+"""RuleTable: an immutable mapping from op name to Rule, and the declarative (dict / TOML) tables.
+
+A declarative table maps op names to library rules::
+
+    sqrt = "safe"
+    log = {rule = "clamped_log", eps = 1e-30}
+    round = "straight_through"
+    my_softplus = {rule = "stable", op = "softplus"}
+
+Nothing in it is imported or evaluated: a rule name is looked up in a fixed
+registry (:data:`gradkit._src.library.LIBRARY`), so ``"os.system"`` is just an
+unknown rule name. Unknown rules, unknown or missing parameters and bad values
+are :class:`GradkitError`\\ s that list what is valid.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from gradkit._src import library
 from gradkit._src.errors import GradkitError
 from gradkit._src.rule import Rule
 
+if sys.version_info >= (3, 11):
+    import tomllib as _toml
+else:  # pragma: no cover - Python 3.10: the `tomli` dependency
+    try:
+        import tomli as _toml
+    except ModuleNotFoundError:
+        _toml = None
+
 
 class RuleTable(Mapping[str, Rule]):
-    """An immutable mapping from op name (primitive, named op, custom function) to :class:`Rule`.
+    """An immutable mapping from op name to :class:`Rule`.
 
-    Lookup is a dict lookup; rules that never match cost nothing, so one table
-    can hold thousands of rules. Tables merge with ``|`` (the right side wins)
-    and have a :attr:`fingerprint` that the dispatcher uses as a cache key.
+    A key is a primitive's name (``"sqrt"``) or a :func:`gradkit.op` name, or
+    ``"fn:<name>"`` for a function the program calls by its Python name (a
+    ``jax.jit``-ed or ``custom_jvp``/``custom_vjp`` function). Lookup is a dict
+    lookup; rules that never match cost nothing, so one table can hold
+    thousands of rules. Tables merge with ``|`` (the right side wins), and
+    compare equal to any mapping that makes the same table.
 
     Args:
-      rules: a mapping from op name to :class:`Rule` (or another table).
+      rules: a mapping from op name to a :class:`Rule`, or to a library rule
+        by name (``"safe"``) or as ``{"rule": name, **params}``, exactly as in
+        :meth:`from_dict`.
 
     Examples:
       >>> import jax.numpy as jnp, gradkit as gk
@@ -31,25 +59,26 @@ class RuleTable(Mapping[str, Rule]):
 
     __slots__ = ("_rules", "_fingerprint")
 
-    def __init__(self, rules: Mapping[str, Rule] | None = None):
+    def __init__(self, rules: Mapping[str, Any] | None = None, *, source: str | None = None):
         rules = {} if rules is None else rules
         if not isinstance(rules, Mapping):
             raise GradkitError(
-                f"RuleTable expects a mapping from op name to rule, got {type(rules).__name__}. "
-                "Write gk.RuleTable({'sqrt': gk.vjp_rule(fn)}).")
+                f"{source or 'RuleTable'} expects a mapping from op name to rule, got {type(rules).__name__}. "
+                "Write gk.RuleTable({'sqrt': gk.vjp_rule(fn)}) or {'sqrt': 'safe', 'log': {'rule': "
+                "'clamped_log', 'eps': 1e-30}}.")
+        if isinstance(rules, RuleTable):
+            self._rules: dict[str, Rule] = dict(rules._rules)
+            self._fingerprint: str | None = rules._fingerprint
+            return
         checked: dict[str, Rule] = {}
         for name, rule in rules.items():
             if not isinstance(name, str) or not name or name != name.strip():
                 raise GradkitError(
-                    f"table entry {name!r}: op names must be non-empty strings without surrounding "
-                    "spaces, such as 'sqrt' or the name given to gk.op.")
-            if not isinstance(rule, Rule):
-                hint = ("wrap the function with gk.vjp_rule(fn) (reverse mode) or gk.jvp_rule(fn) "
-                        "(forward mode)") if callable(rule) else "give a rule made by gk.vjp_rule or gk.jvp_rule"
-                raise GradkitError(f"table entry {name!r} is not a rule: got {type(rule).__name__}; {hint}.")
-            checked[name] = rule
-        self._rules: dict[str, Rule] = checked
-        self._fingerprint: str | None = None
+                    f"{source + ': ' if source else ''}table entry {name!r}: op names must be non-empty strings "
+                    "without surrounding spaces, such as 'sqrt', the name given to gk.op, or 'fn:softplus'.")
+            checked[name] = rule if isinstance(rule, Rule) else _library_entry(name, rule, source)
+        self._rules = checked
+        self._fingerprint = None
 
     # Mapping protocol
     def __getitem__(self, name: str) -> Rule:
@@ -82,7 +111,14 @@ class RuleTable(Mapping[str, Rule]):
         return RuleTable(other) | self
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, RuleTable) and self.fingerprint == other.fingerprint
+        if isinstance(other, RuleTable):
+            return self.fingerprint == other.fingerprint
+        if not isinstance(other, Mapping):
+            return NotImplemented
+        try:  # a dict of rules (or of library rule names) that makes the same table
+            return self.fingerprint == RuleTable(other).fingerprint
+        except GradkitError:
+            return False
 
     def __hash__(self) -> int:
         return hash(self.fingerprint)
@@ -93,11 +129,14 @@ class RuleTable(Mapping[str, Rule]):
 
     @property
     def fingerprint(self) -> str:
-        """A 16-hex-digit digest of the table's entries, used as a cache key.
+        """A 16-hex-digit digest that identifies the table's content (tables are equal iff it is).
 
         Equal for tables with the same names mapped to the same rules. Library
-        rules (from config) fingerprint by name and parameters, so the value is
-        stable across processes; user functions fingerprint by identity.
+        rules (the ready tables, :meth:`from_dict`, :meth:`from_toml`) are
+        identified by rule name and parameters, so their value is the same in
+        every process (usable to record which table produced a result); rules
+        made from your functions are identified by the function object, so
+        their value holds within one process only.
         """
         if self._fingerprint is None:
             h = hashlib.sha256()
@@ -108,25 +147,32 @@ class RuleTable(Mapping[str, Rule]):
         return self._fingerprint
 
     @classmethod
-    def from_dict(cls, config: Mapping[str, Any]) -> RuleTable:
+    def from_dict(cls, config: Mapping[str, Any], *, source: str = "config") -> RuleTable:
         """Builds a table from a declarative config naming library rules.
 
         Each entry maps an op name to a library rule name, or to a dict with
-        ``rule`` and that rule's parameters. Nothing is imported or evaluated.
+        ``rule`` and that rule's parameters (``gradkit rules`` lists them).
+        Nothing is imported or evaluated. ``RuleTable(config)`` accepts the
+        same entries (and :class:`Rule` values besides).
 
         Examples:
           >>> import gradkit as gk
           >>> t = gk.RuleTable.from_dict({"sqrt": "safe", "round": "straight_through"})
-          >>> sorted(t)
-          ['round', 'sqrt']
+          >>> sorted(t), t == {"round": "straight_through", "sqrt": "safe"}
+          (['round', 'sqrt'], True)
         """
-        from gradkit._src import config as _config
-
-        return _config.table_from_dict(config)
+        if not isinstance(config, Mapping):
+            raise GradkitError(
+                f"{source}: expected a mapping from op name to rule, got {type(config).__name__}. "
+                "Write {'sqrt': 'safe', 'log': {'rule': 'clamped_log', 'eps': 1e-30}}.")
+        return cls(config, source=source)
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike[str]) -> RuleTable:
         """Builds a table from a TOML file with the same entries as :meth:`from_dict`.
+
+        The rules may sit at the top level or under a ``[rules]`` table (or
+        ``[tool.gradkit.rules]``, for a ``pyproject.toml``).
 
         Examples:
           >>> import pathlib, tempfile, gradkit as gk
@@ -135,6 +181,57 @@ class RuleTable(Mapping[str, Rule]):
           >>> sorted(gk.RuleTable.from_toml(p))
           ['log', 'sqrt']
         """
-        from gradkit._src import config as _config
+        path = os.fspath(path)
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise GradkitError(f"cannot read rule config {path}: {e.strerror or e}.") from None
+        except UnicodeDecodeError as e:
+            raise GradkitError(f"rule config {path} is not UTF-8 text ({e.reason} at byte {e.start}); "
+                               "TOML files must be UTF-8.") from None
+        data = _load_toml(text, path)
+        tool = data.get("tool")
+        if isinstance(tool, Mapping) and isinstance(tool.get("gradkit"), Mapping) and "rules" in tool["gradkit"]:
+            data = tool["gradkit"]["rules"]
+        elif set(data) == {"rules"} and isinstance(data["rules"], Mapping):
+            data = data["rules"]
+        return cls.from_dict(data, source=path)
 
-        return _config.table_from_toml(path)
+
+def _library_entry(op_name: str, entry: Any, source: str | None) -> Rule:
+    """The library rule an entry names: ``"safe"`` or ``{"rule": "clamped_log", "eps": 1e-30}``."""
+    where = f"{source}: entry '{op_name}'" if source else f"table entry '{op_name}'"
+    if isinstance(entry, str):
+        return library.make_rule(entry, op_name, {}, where=where)
+    if isinstance(entry, Mapping):
+        if "rule" not in entry:
+            raise GradkitError(
+                f"{where} has no `rule` key: write {{rule = \"<name>\", <param> = <value>}}. Valid rules: "
+                + ", ".join(library.LIBRARY) + ".")
+        params = {k: v for k, v in entry.items() if k != "rule"}
+        bad = [k for k in params if not isinstance(k, str)]
+        if bad:
+            raise GradkitError(f"{where}: parameter names must be strings, got {bad!r}.")
+        return library.make_rule(entry["rule"], op_name, params, where=where)
+    if callable(entry):
+        raise GradkitError(f"{where} is not a rule: got {type(entry).__name__}; wrap the function with "
+                           "gk.vjp_rule(fn) (reverse mode) or gk.jvp_rule(fn) (forward and reverse mode).")
+    if source:  # a declarative config: only library rules can be written there
+        raise GradkitError(
+            f"{where}: expected a rule name (string) or a table {{rule = \"<name>\", ...}}, got "
+            f"{type(entry).__name__} {entry!r}.")
+    raise GradkitError(
+        f"{where} is not a rule: got {type(entry).__name__} {entry!r}; give a rule made by gk.vjp_rule or "
+        "gk.jvp_rule, a library rule name (\"safe\"), or {\"rule\": \"<name>\", <param>: <value>}.")
+
+
+def _load_toml(text: str, path: str) -> Mapping[str, Any]:
+    if _toml is None:  # pragma: no cover - Python 3.10 without tomli
+        raise GradkitError(
+            f"reading {path}: TOML needs Python 3.11+ (tomllib) or the `tomli` package on Python 3.10. "
+            "Install it with `pip install tomli`, or pass a dict to gk.RuleTable.from_dict.")
+    try:
+        return _toml.loads(text)
+    except _toml.TOMLDecodeError as e:
+        raise GradkitError(f"{path} is not valid TOML: {e}.") from None

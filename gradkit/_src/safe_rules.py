@@ -1,0 +1,318 @@
+"""The SAFE rules: a primitive's own derivative, exactly 0 where the incoming (co)tangent is 0.
+
+A SAFE rule is a JVP rule built from JAX's own JVP rule of the primitive:
+gradkit traces ``jax.jvp`` of the primitive once per signature and re-plays
+that program with every product of the tangent by a primal quantity
+(``mul(t, d)``, ``div(t, d)``) replaced by :func:`compat.safe_scale`, which is
+0 wherever the tangent is 0. So, operation for operation:
+
+* forward mode: the tangent is JAX's ``t * f'(x)``, and 0 wherever ``t`` is 0
+  (``0 * inf`` and ``0 * NaN`` never happen);
+* reverse mode (JAX transposes the rule): the cotangent is JAX's own, in JAX's
+  order of operations, and 0 wherever the incoming cotangent is 0;
+* higher orders: the primal quantities of the derivative (``0.5 / sqrt(x)``,
+  ``y ** -2``) are themselves computed with safe derivatives, so a zero
+  cotangent stays 0 through ``hessian`` and ``grad(grad(...))``.
+
+Following JAX's program rather than hand-written formulas keeps the gradients
+bit-identical to JAX's on every supported JAX version, whose formulas differ
+(newer versions write ``acos``' with ``one_minus_square``, ``acosh``' as a
+product of two ``rsqrt``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from gradkit._src import compat
+from gradkit._src.errors import GradkitError
+from gradkit._src.rule import OpView
+
+# How an equation of the JVP program is re-played.
+_PRIMAL = "primal"  # the primitive itself on the primal inputs: the op's own output is used
+_VALUE = "value"  # a primal quantity (part of f'(x)): computed with safe derivatives of its own
+_SCALE = "scale"  # tangent times/over primal quantities: one safe_scale
+_SKIP = "skip"  # an inner step of a chain of scalings, folded into the chain's last step
+_LINEAR = "linear"  # any other operation on tangents (neg, add, convert, broadcast, ...): as is
+
+
+@dataclasses.dataclass(frozen=True)
+class _Scale:
+    """``±source ∘ d1 ∘ d2 ...`` (∘ is * or /), masked where ``source`` is 0."""
+
+    source: Any  # the tangent-side atom the chain starts from
+    factors: tuple[tuple[bool, Any], ...]  # (divide, primal atom), in JAX's forward order
+    negate: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class _Program:
+    """JAX's JVP of one primitive application, annotated for the safe re-play."""
+
+    jaxpr: Any
+    consts: tuple[Any, ...]
+    kinds: tuple[str, ...]  # one per equation
+    scales: tuple[_Scale | None, ...]  # for _SCALE equations
+
+    @property
+    def masks(self) -> bool:
+        return _SCALE in self.kinds
+
+
+def _struct(x: Any) -> jax.ShapeDtypeStruct:
+    aval = compat.aval_of(x)
+    return jax.ShapeDtypeStruct(tuple(aval.shape), aval.dtype, weak_type=getattr(aval, "weak_type", False))
+
+
+def _is_inexact(x: Any) -> bool:
+    return bool(jnp.issubdtype(compat.aval_of(x).dtype, jnp.inexact))
+
+
+def _finite_literal(a: Any) -> bool:
+    return compat.is_literal(a) and bool(np.all(np.isfinite(a.val)))
+
+
+def _same_params(a: Any, b: Any) -> bool:
+    try:
+        return bool(dict(a) == dict(b))
+    except Exception:  # noqa: BLE001 - parameters that do not compare (arrays): not the same
+        return False
+
+
+def _trace_program(prim: Any, params: tuple[tuple[str, Any], ...], structs: tuple[jax.ShapeDtypeStruct, ...],
+                   diff: tuple[bool, ...]) -> _Program:
+    kw = dict(params)
+    idx = [i for i, d in enumerate(diff) if d]
+
+    def jvp_of(*args: Any) -> Any:
+        primals, tangents = list(args[:len(structs)]), args[len(structs):]
+
+        def f(*dyn: Any) -> Any:
+            xs = list(primals)
+            for i, x in zip(idx, dyn):
+                xs[i] = x
+            out = compat.bind_primitive(prim, xs, kw)
+            return out[0] if len(out) == 1 else tuple(out)
+
+        return jax.jvp(f, tuple(primals[i] for i in idx), tuple(tangents))[1]
+
+    # JAX's own rules assume its default promotion (pow's rule mixes an integer exponent into a float
+    # result): traced under it, they become explicit converts, whatever the user's setting.
+    with jax.numpy_dtype_promotion("standard"):
+        closed = compat.trace(jvp_of, [*structs, *(structs[i] for i in idx)])
+    jaxpr, consts = compat.jaxpr_parts(closed)
+    eqns = list(jaxpr.eqns)
+    primal_vars = list(jaxpr.invars[:len(structs)])
+    linear = set(jaxpr.invars[len(structs):])
+    uses: dict[Any, int] = {}
+    for eqn in eqns:
+        for a in eqn.invars:
+            if not compat.is_literal(a):
+                uses[a] = uses.get(a, 0) + 1
+    for a in jaxpr.outvars:
+        if not compat.is_literal(a):
+            uses[a] = uses.get(a, 0) + 2  # an output is never folded away
+    producer = {v: i for i, eqn in enumerate(eqns) for v in eqn.outvars}
+    kinds: list[str] = []
+    scales: list[_Scale | None] = []
+    for i, eqn in enumerate(eqns):
+        lin = [not compat.is_literal(a) and a in linear for a in eqn.invars]
+        kind, scale = _LINEAR, None
+        if not any(lin):
+            # The primitive's own result: same primitive, inputs and parameters (integer_pow's JVP
+            # has another integer_pow of x, with y - 1), computed once, first.
+            same = (eqn.primitive is prim and list(eqn.invars) == primal_vars and _same_params(eqn.params, kw)
+                    and _PRIMAL not in kinds)
+            kind = _PRIMAL if same else _VALUE
+        else:
+            linear.update(eqn.outvars)
+            name = eqn.primitive.name
+            if len(lin) == 2 and sum(lin) == 1 and (name == "mul" or (name == "div" and lin[0])):
+                src, factor = eqn.invars[lin.index(True)], eqn.invars[1 - lin.index(True)]
+                if not _finite_literal(factor):  # a product with a finite constant needs no mask
+                    kind, scale = _SCALE, _Scale(src, ((name == "div", factor),), False)
+                    # A chain (t * a) * b, possibly through neg, becomes one masked step, so the mask is
+                    # on the incoming tangent (in reverse mode: the incoming cotangent) only.
+                    negate, v, inner = False, src, []
+                    while v in producer and uses.get(v) == 1:
+                        j = producer[v]
+                        if eqns[j].primitive.name == "neg":
+                            negate, v = not negate, eqns[j].invars[0]
+                            inner.append(j)
+                            continue
+                        prev = scales[j]
+                        if kinds[j] == _SCALE and prev is not None:
+                            inner.append(j)
+                            scale = _Scale(prev.source, prev.factors + scale.factors, negate != prev.negate)
+                            for k in inner:
+                                kinds[k] = _SKIP
+                        break
+        kinds.append(kind)
+        scales.append(scale)
+    return _Program(jaxpr, tuple(consts), tuple(kinds), tuple(scales))
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_program(prim: Any, params: tuple[tuple[str, Any], ...], structs: tuple[jax.ShapeDtypeStruct, ...],
+                    diff: tuple[bool, ...], context: Any) -> _Program:
+    del context  # part of the key only: x64 and friends change the traced program
+    return _trace_program(prim, params, structs, diff)
+
+
+def program(prim: Any, params: Any, inputs: Sequence[Any], diff: tuple[bool, ...]) -> _Program:
+    """JAX's JVP of ``prim`` at inputs like ``inputs`` w.r.t. the inputs flagged in ``diff`` (cached)."""
+    items = tuple(sorted(dict(params).items()))
+    structs = tuple(_struct(x) for x in inputs)
+    try:
+        return _cached_program(prim, items, structs, diff, compat.trace_context())
+    except TypeError as e:  # an unhashable parameter: trace it every time
+        if "unhashable" not in str(e):
+            raise
+        return _trace_program(prim, items, structs, diff)
+
+
+_MUL = compat.primitive_by_name("mul")
+_DIV = compat.primitive_by_name("div")
+
+
+def as_dtype(x: Any, dtype: Any) -> Any:
+    """``x`` as ``dtype``: a convert for JAX values (no ``jnp.asarray``: under ``vmap`` that is a
+    ``device_put``, which makes JAX import and register more of itself), NumPy for constants."""
+    if isinstance(x, (jax.Array, compat.Tracer)):
+        return x if x.dtype == dtype else lax.convert_element_type(x, dtype)
+    return np.asarray(x, dtype)
+
+
+def _apply_scale(step: _Scale, env: dict[Any, Any], aval: Any) -> Any:
+    shape, dtype = tuple(aval.shape), aval.dtype
+    factors = [(div, jnp.broadcast_to(as_dtype(compat.read_atom(env, a), dtype), shape)) for div, a in step.factors]
+    u = compat.read_atom(env, step.source)
+    u = jnp.broadcast_to(u, shape) if np.shape(u) != shape else u  # a rank-0 operand
+    if len(factors) == 1:
+        out = compat.safe_scale(u, factors[0][1], divide=factors[0][0])
+    else:
+        # One factor for the chain, combined in the order JAX's transposed chain applies them, so
+        # a unit cotangent gives JAX's value bit for bit: ((1 o dk) o ... ) o d1.
+        last_div, d = factors[-1]
+        if last_div:
+            d = safe_bind(_DIV, {}, [jnp.ones(shape, dtype), d])[0]
+        for div, f in reversed(factors[:-1]):
+            d = safe_bind(_DIV if div else _MUL, {}, [d, f])[0]
+        out = compat.safe_scale(u, d)
+    return lax.neg(out) if step.negate else out
+
+
+def replay(prog: _Program, primals: Sequence[Any], tangents: Sequence[Any],
+           outputs: Sequence[Any] | None = None) -> list[Any]:
+    """Evaluates the program with masked products; ``outputs`` stand for the primitive's own result."""
+    env: dict[Any, Any] = {}
+    jaxpr = prog.jaxpr
+    for v, c in zip(jaxpr.constvars, prog.consts):
+        env[v] = c
+    for v, x in zip(jaxpr.invars, [*primals, *tangents]):
+        env[v] = x
+    for eqn, kind, step in zip(jaxpr.eqns, prog.kinds, prog.scales):
+        if kind == _SKIP:
+            continue
+        if kind == _SCALE:
+            outs = [_apply_scale(step, env, eqn.outvars[0].aval)]
+        else:
+            ins = [compat.read_atom(env, a) for a in eqn.invars]
+            if kind == _PRIMAL and outputs is not None:
+                outs = list(outputs)
+            elif kind in (_PRIMAL, _VALUE):
+                outs = safe_bind(eqn.primitive, eqn.params, ins, [compat.is_literal(a) for a in eqn.invars])
+            else:
+                outs = compat.bind(eqn, compat.match_varying(ins))
+        for v, x in zip(eqn.outvars, outs):
+            env[v] = x
+    return [compat.read_atom(env, a) for a in jaxpr.outvars]
+
+
+def safe_bind(prim: Any, params: Any, inputs: Sequence[Any], fixed: Sequence[bool] | None = None) -> list[Any]:
+    """``prim`` applied to ``inputs``, with a safe derivative (a ``custom_jvp``) where its JVP scales.
+
+    The value is the primitive's own; only its derivative changes, and only
+    where JAX's rule multiplies a tangent by a primal quantity. Inputs flagged
+    in ``fixed`` (constants of the program) are not differentiated.
+    """
+    params = dict(params)
+    fixed = fixed or [False] * len(inputs)
+    diff = tuple(_is_inexact(x) and not c for x, c in zip(inputs, fixed))
+    inputs = compat.match_varying(inputs)
+    if prim.multiple_results or not any(diff) or any(True for _ in compat.jaxpr_params(params)):
+        return compat.bind_primitive(prim, inputs, params)
+    try:
+        prog = program(prim, params, inputs, diff)
+    except Exception:  # noqa: BLE001 - no JVP to re-play (not differentiable): keep the primitive
+        return compat.bind_primitive(prim, inputs, params)
+    if not prog.masks:
+        return compat.bind_primitive(prim, inputs, params)
+    idx = [i for i, d in enumerate(diff) if d]
+    held = list(inputs)
+
+    def full(dyn: Sequence[Any]) -> list[Any]:
+        xs = list(held)
+        for i, x in zip(idx, dyn):
+            xs[i] = x
+        return xs
+
+    @jax.custom_jvp
+    def f(*dyn: Any) -> Any:
+        return compat.bind_primitive(prim, full(dyn), params)[0]
+
+    @f.defjvp
+    def f_jvp(primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> tuple[Any, Any]:
+        out = f(*primals)
+        return out, replay(prog, full(primals), tangents, [out])[0]
+
+    return [f(*(inputs[i] for i in idx))]
+
+
+# --------------------------------------------------------------------------- the rules
+
+
+def _lax_params(target: str, op: OpView) -> dict[str, Any]:
+    """The primitive's parameters for a rule retargeted to another op (a gk.op wrapping the primitive)."""
+    fn = getattr(lax, target, None)
+    error: Exception | None = None
+    # A named op's keyword arguments may be the primitive's (integer_pow's y); a jit-ed function's are jit's.
+    for kw in (dict(op.params), {}):
+        try:
+            jaxpr = jax.make_jaxpr(lambda *xs, kw=kw: fn(*xs, **kw))(*op.inputs)  # type: ignore[misc]
+            return dict(next(e for e in compat.jaxpr_parts(jaxpr)[0].eqns if e.primitive.name == target).params)
+        except Exception as e:  # noqa: BLE001
+            error = error or e
+    raise GradkitError(
+        f"rule gradkit.safe[{target}] for op '{op.name}' at {op.source}: the op's inputs and keyword arguments "
+        f"({len(op.inputs)} inputs, {sorted(op.params)}) do not make one lax.{target} call ({error}). Use "
+        f"{{rule = \"safe\", op = \"{target}\"}} only on an op that computes lax.{target} of its inputs.")
+
+
+def safe_rule(target: str) -> Callable[[OpView, tuple[Any, ...]], Any]:
+    """The SAFE JVP rule for primitive ``target`` (usable on an op that wraps it, too)."""
+    prim = compat.primitive_by_name(target)
+    if prim is None:  # pragma: no cover - every SAFE target is a lax primitive
+        raise GradkitError(f"internal: no JAX primitive named {target!r} for a SAFE rule.")
+
+    def rule(op: OpView, tangents: tuple[Any, ...]) -> Any:
+        inputs = list(op.inputs)
+        diff = tuple(t is not None and _is_inexact(x) for x, t in zip(inputs, tangents))
+        if not any(diff):
+            return None
+        own = op.name == target
+        params = dict(op.params) if own else _lax_params(target, op)
+        prog = program(prim, params, inputs, diff)
+        ts = [as_dtype(t, compat.aval_of(x).dtype) for x, t, d in zip(inputs, tangents, diff) if d]
+        out = replay(prog, inputs, ts, op.outputs if own else None)
+        return out[0] if len(out) == 1 else tuple(out)
+
+    return rule

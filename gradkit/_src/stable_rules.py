@@ -1,0 +1,128 @@
+"""The machinery of the STABLE rules, and an op's own derivative for the generic rules.
+
+A STABLE rule is a JVP rule that differentiates a stable function (a
+:mod:`gradkit.stable` function or a numerics kernel, each a ``jax.custom_jvp``)
+at the matched op's inputs, so forward mode, reverse mode (by transposition)
+and every higher order use the stable derivative.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gradkit._src import compat
+from gradkit._src.errors import GradkitError
+from gradkit._src.rule import OpView
+
+
+def is_foreign_jit(op: OpView) -> bool:
+    """A ``jax.jit``-ed function matched by name (not a gradkit named op): its params are jit's."""
+    return compat.is_jaxpr(op.params.get("jaxpr"))
+
+
+def _custom_call_consts(op: OpView) -> int:
+    """How many leading inputs of a matched ``custom_jvp``/``custom_vjp`` call are closed-over constants."""
+    if "call_jaxpr" in op.params or "fun_jaxpr" in op.params:
+        return int(op.params.get("num_consts", 0) or 0)
+    return 0
+
+
+def op_function(op: OpView, rule_name: str) -> Callable[..., Any]:
+    """The matched op as a function of its inputs, to get its own (JAX) derivative.
+
+    Available for primitives and ``jax.jit``-ed functions matched by name.
+    """
+    params = dict(op.params)
+    if is_foreign_jit(op):
+        closed = params["jaxpr"]
+
+        def fun(*xs: Any) -> Any:
+            out = compat.eval_jaxpr(closed, xs)
+            return out[0] if len(out) == 1 else tuple(out)
+
+        return fun
+    prim = compat.primitive_by_name(op.name)
+    if prim is None:
+        raise GradkitError(
+            f"rule {rule_name} for op '{op.name}' at {op.source} needs the op's own derivative, which gradkit "
+            "can rebuild only for JAX primitives and jax.jit-ed functions matched by name. For a gk.op or a "
+            "custom_jvp function, write the rule with gk.jvp_rule / gk.vjp_rule, or wrap the call site with "
+            "gradkit.estimators.scale_gradient / clip_gradient instead.")
+
+    def prim_fun(*xs: Any) -> Any:
+        out = compat.bind_primitive(prim, xs, params)
+        return out[0] if len(out) == 1 else tuple(out)
+
+    return prim_fun
+
+
+def _zeros_for(x: Any) -> Any:
+    if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+        return jnp.zeros(np.shape(x), jnp.result_type(x))
+    return np.zeros(np.shape(x), jax.dtypes.float0)
+
+
+def default_jvp(op: OpView, tangents: tuple[Any, ...], rule_name: str) -> Any:
+    """``jax.jvp`` of the op's own function (see :func:`op_function`)."""
+    primals = tuple(op.inputs)
+    ts = tuple(_zeros_for(p) if t is None else t for p, t in zip(primals, tangents))
+    _, t_out = jax.jvp(op_function(op, rule_name), primals, ts)
+    return t_out
+
+
+def jvp_via(body: Callable[..., Any], keywords: tuple[str, ...] = (), *,
+            label: str = "gradkit.stable") -> Callable[[OpView, tuple[Any, ...]], Any]:
+    """A JVP rule that differentiates ``body(*op.inputs, **params)``, a stable function with a custom_jvp.
+
+    Only float inputs are differentiated (``None`` and boolean/integer inputs
+    are held fixed); only ``keywords`` are read from ``op.params`` (a foreign
+    op's params are not the body's). A ``jax.jit``-ed function matched by
+    name whose signature the body cannot know (keyword arguments such as an
+    ``axis``) keeps its own derivative.
+    """
+
+    def rule(op: OpView, tangents: tuple[Any, ...]) -> Any:
+        if keywords and is_foreign_jit(op):
+            return default_jvp(op, tangents, label)
+        skip = _custom_call_consts(op)
+        inputs, tangents = list(op.inputs[skip:]), tuple(tangents[skip:])
+        idx = [i for i, x in enumerate(inputs)
+               if x is not None and jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+        kw = {k: op.params[k] for k in keywords if k in op.params}
+
+        def f(*xs: Any) -> Any:
+            args = list(inputs)
+            for i, x in zip(idx, xs):
+                args[i] = x
+            return body(*args, **kw)
+
+        primals = tuple(_as_array(inputs[i]) for i in idx)
+        ts = tuple(jnp.zeros_like(p) if i >= len(tangents) or tangents[i] is None else
+                   _as_array(tangents[i], p.dtype) for i, p in zip(idx, primals))
+        try:
+            _, t_out = jax.jvp(f, primals, ts)
+        except TypeError as e:
+            raise GradkitError(
+                f"rule {label} for op '{op.name}' at {op.source}: the stable derivative takes the arguments of "
+                f"{getattr(body, '__name__', 'the stable function')}, but the op has {len(inputs)} inputs "
+                f"({_describe(inputs)}): {e}. A 'fn:' or named-op key matches any function of that name; give "
+                "this one its own rule, or rename it.") from None
+        return t_out
+
+    return rule
+
+
+def _as_array(x: Any, dtype: Any = None) -> Any:
+    # No jnp.asarray on traced values: under vmap it is a device_put, which imports more of JAX.
+    if isinstance(x, (jax.Array, compat.Tracer)):
+        return x if dtype is None or x.dtype == dtype else jax.lax.convert_element_type(x, dtype)
+    return jnp.asarray(x, dtype)
+
+
+def _describe(xs: Sequence[Any]) -> str:
+    return ", ".join(f"{compat.aval_of(x).str_short()}" if x is not None else "None" for x in xs)
