@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gradkit._src import compat, walk
+from gradkit._src.activity import call_body
 from gradkit._src.audit_explain import loc, nonfinite_indices, select, step
 from gradkit._src.audit_fixes import choose_fix, suggest
 from gradkit._src.audit_program import Program, describe_input, gradient, make_program
@@ -158,7 +159,7 @@ def investigate(prog: Program, fn: Any, table: Any, do_fix: bool) -> tuple[tuple
     for a in relevant:
         by_birth.setdefault(prov.atoms[a][0], set()).add(a)
     roots = sorted({prov.atoms[a][0] for a in relevant if not (prov.sets[prov.causes[a]] & relevant)})
-    names = dict(zip(core.invars, prog.dyn_names))
+    names = _input_names(core, dict(zip(core.invars, prog.dyn_names)))
 
     def selection(key: int, atoms: set[int]) -> Any:
         return select(replay.by_key[key], [prov.atoms[a][1:] for a in atoms])
@@ -178,6 +179,24 @@ def investigate(prog: Program, fn: Any, table: Any, do_fix: bool) -> tuple[tuple
         findings.append(Finding(root.name, loc(root.eqn, root.ctx), steps[0].where, steps[0].message, steps,
                                 best, alts))
     return tuple(findings), ""
+
+
+def _input_names(jaxpr: Any, names: dict[Any, str | None]) -> dict[Any, str]:
+    """The audited inputs' names for their variables, followed into called bodies (``jit``).
+
+    A body called with different inputs (a jitted function used twice) names none of them.
+    """
+    for eqn in jaxpr.eqns:
+        call = call_body(eqn)
+        if call is None:
+            continue
+        inner = {bv: names[a] for a, bv in zip(eqn.invars, call[0].invars)
+                 if not compat.is_literal(a) and names.get(a) is not None}
+        for bv, n in inner.items():
+            names[bv] = n if names.get(bv, n) == n else None
+        if inner:
+            _input_names(call[0], names)
+    return {v: n for v, n in names.items() if n is not None}
 
 
 # --------------------------------------------------------------------------- coverage

@@ -35,7 +35,7 @@ class Selection:
 
     Attributes:
       birth: the birth.
-      occ: the occurrence shown (the first kept one that holds a selected element).
+      occ: the occurrence shown (the earliest kept one that holds a selected element).
       masks: per position (output, or operand for a backward birth): the selected elements of ``occ``.
       iterations: the loop iterations the selected elements were born in.
     """
@@ -54,7 +54,7 @@ def select(b: Birth, elements: Iterable[tuple[int, int]]) -> Selection:
     """The :class:`Selection` of ``b`` for ``elements`` (``(position, flat index)`` pairs)."""
     wanted = sorted(set(elements))
     its = sorted({it for pe in wanted for it in b.elements.get(pe, []) if it is not None})
-    for occ in b.occurrences:
+    for occ in sorted(b.occurrences, key=lambda o: o.loops):  # the earliest iteration first
         masks = {}
         for pos, m in occ.masks.items():
             sel = np.zeros(m.size, bool)
@@ -174,10 +174,16 @@ _ARG_NAMES = {"atan2": ("y", "x"), "div": ("x", "y"), "pow": ("x", "y"), "mul": 
               "add": ("x", "y"), "select_n": ("which", "a", "b")}
 
 
-def _arg_name(b: Birth, k: int, input_names: dict[Any, str]) -> str:
+def _input_name(b: Birth, k: int, input_names: dict[Any, str]) -> str | None:
+    """The audited input's name when operand ``k`` of ``b``'s equation is that input."""
     atom = b.eqn.invars[k]
-    if not compat.is_literal(atom) and atom in input_names:
-        return input_names[atom]
+    return None if compat.is_literal(atom) else input_names.get(atom)
+
+
+def _arg_name(b: Birth, k: int, input_names: dict[Any, str]) -> str:
+    name = _input_name(b, k, input_names)
+    if name is not None:
+        return name
     if len(b.eqn.invars) == 1:
         return "x"
     names = _ARG_NAMES.get(b.eqn.primitive.name, ("x", "y", "z"))
@@ -197,14 +203,16 @@ def _elements(sel: Selection, input_names: dict[Any, str]) -> tuple[Element, ...
             operands = [pos]
         for e in np.flatnonzero(mask)[:_KEEP_ELEMENTS - len(out)]:
             idx = tuple(int(i) for i in np.unravel_index(int(e), shape))
-            vals = []
+            vals, ks = [], []
             for k in operands:
                 v = np.asarray(occ.invals[k])
                 if v.shape in (shape, ()) and jnp.issubdtype(v.dtype, jnp.number):
                     vals.append((_arg_name(b, k, input_names), float(np.real(v if v.shape == () else v[idx]))))
+                    ks.append(k)
             if not vals:  # no operand lines up with the result: show the result
                 vals.append(("result", float(np.real(np.asarray(occ.outvals[pos]).reshape(-1)[int(e)]))))
-            out.append(Element(idx, tuple(vals), it))
+            on_input = len(ks) == 1 and _input_name(b, ks[0], input_names) is not None
+            out.append(Element(idx, tuple(vals), it, on_input))
     return tuple(out)
 
 
@@ -283,8 +291,8 @@ def _explain_forward(sel: Selection) -> str:
         if p == "mul":
             return f"`mul` 0·inf gave NaN{n} ({_summ(a)} · {_summ(c)})"
         if p in ("add", "sub"):
-            op = _BINARY_NAMES[p]
-            return f"`{p}` inf {op} inf of opposite signs gave NaN{n} ({_summ(a)} {op} {_summ(c)})"
+            what = "inf - inf" if p == "sub" else "inf + (-inf)"
+            return f"`{p}` {what} gave NaN{n} ({_summ(a)} {_BINARY_NAMES[p]} {_summ(c)})"
         kind = "0/0 " if np.all(a == 0) and np.all(c == 0) else ("inf/inf " if np.all(np.isinf(a)) else "")
         return f"`div` {kind}gave NaN{n} (numerator {_summ(a)}, denominator {_summ(c)})"
     if p in ("sqrt", "log", "log1p", "rsqrt", "pow", "acos", "asin", "acosh", "atanh", "lgamma") and x0 is not None:

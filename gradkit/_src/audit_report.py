@@ -38,20 +38,22 @@ class Element:
       values: ``(name, value)`` pairs: the op's operands there (``x``; ``y``, ``x``),
         named after the audited input when the operand is one.
       iteration: the loop iteration, inside a scan or while loop.
+      on_input: the single operand is an audited input (``x[2] = 0``, not ``[2]: x = 0``).
     """
 
     index: tuple[int, ...]
     values: tuple[tuple[str, float], ...]
     iteration: int | None = None
+    on_input: bool = False
 
     def __str__(self) -> str:
         idx = fmt_index(self.index)
         if len(self.values) == 1:
             name, v = self.values[0]
-            return f"{name}{idx} = {fmt(v)}"
+            return f"{name}{idx} = {fmt(v)}" if self.on_input or not idx else f"{idx}: {name} = {fmt(v)}"
         names = ", ".join(n for n, _ in self.values)
         vals = ", ".join(fmt(v) for _, v in self.values)
-        return f"{idx or 'at'}: ({names}) = ({vals})" if idx else f"({names}) = ({vals})"
+        return f"{idx}: ({names}) = ({vals})" if idx else f"({names}) = ({vals})"
 
 
 def elements_text(elements: tuple[Element, ...], count: int) -> str:

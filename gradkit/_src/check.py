@@ -122,7 +122,7 @@ class GradCheckRow:
         if self.error:
             return f"{head}: {self.error}"
         sampled = f" ({self.checked} of {self.total} coordinates)" if self.checked < self.total else ""
-        rel_at = f" at {self.max_rel_at}" if self.max_rel_at and self.max_rel_at != self.worst else ""
+        rel_at = f" at {self.max_rel_at}" if self.max_rel_at else ""
         return (f"{head}: max abs err {fmt(self.max_abs_err)}, max rel err {fmt(self.max_rel_err)}{rel_at}; "
                 f"worst {self.worst}: autodiff {fmt(self.autodiff)} vs finite difference "
                 f"{fmt(self.numeric)}{sampled}")
