@@ -60,6 +60,8 @@ def select(b: Birth, elements: Iterable[tuple[int, int]]) -> Selection:
             sel = np.zeros(m.size, bool)
             idx = [e for p, e in wanted if p == pos and 0 <= e < m.size]
             sel[idx] = True
+            if (pos, -1) in wanted:  # past the per-birth atom limit elements share one atom: take them all
+                sel[:] = True
             sel &= m.reshape(-1)
             if sel.any():
                 masks[pos] = sel.reshape(m.shape)

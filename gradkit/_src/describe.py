@@ -156,8 +156,3 @@ def count_nonfinite(x: Any, kind: str = "any") -> int:
     """How many elements of ``x`` are non-finite (see :func:`nonfinite_mask`); 0 for non-float values."""
     m = nonfinite_mask(x, kind)
     return 0 if m is None else int(m.sum())
-
-
-def nonfinite(x: Any) -> tuple[bool, bool]:
-    """``(has NaN, has ±inf)``."""
-    return count_nonfinite(x, "nan") > 0, count_nonfinite(x, "inf") > 0

@@ -43,6 +43,10 @@ ELEMENTWISE = frozenset({
     "stop_gradient", "sub", "tan", "tanh", "zeta", "regularized_incomplete_beta", "random_gamma_grad",
 })
 
+# Element-wise ops whose VJP reads only the incoming cotangent, not the forward values.
+READS_COTANGENT_ONLY = frozenset({"add", "sub", "neg", "select_n", "convert_element_type", "copy", "copy_p",
+                                  "reduce_precision", "real", "imag", "complex", "conj"})
+
 # Ops whose output elements are copies of operand elements: the operands
 # that hold data (the others are indices or sizes; pad's padding value is
 # marked as "no source").

@@ -25,7 +25,7 @@ import numpy as np
 from gradkit._src import compat
 from gradkit._src.activity import is_float_aval
 from gradkit._src.describe import count_nonfinite, nonfinite_mask
-from gradkit._src.provenance import COPYING, Label, Provenance, is_elementwise, sources
+from gradkit._src.provenance import COPYING, READS_COTANGENT_ONLY, Label, Provenance, is_elementwise, sources
 from gradkit._src.replay_state import Context, Ct, Frame
 
 
@@ -82,7 +82,13 @@ class Leaf:
         values = dict(invals=list(invals), outvals=list(outs))
         if is_elementwise(eqn):
             shape = np.shape(outs[0])
-            label = prov.combine(labels, shape, bad[0])
+            if eqn.primitive.name == "select_n":  # element e is a copy of the case it selects
+                which = np.broadcast_to(np.asarray(invals[0]).astype(np.int64), shape)
+                cases = [np.zeros(shape, np.int32) if lb is None else np.broadcast_to(lb, shape) for lb in labels[1:]]
+                chosen = np.take_along_axis(np.stack(cases), which[None], 0)[0]
+                label = np.where(bad[0], chosen, 0).astype(np.int32)
+            else:
+                label = prov.combine(labels, shape, bad[0])
             born = {"nan": nonfinite_mask(outs[0], "nan") & ~_masks(invals, shape, "nan"),
                     "inf": nonfinite_mask(outs[0], "inf") & ~_masks(invals, shape, "any")}
             self._births(rp, eqn, "forward", ctx, 0, label, born, values)
@@ -157,8 +163,10 @@ class Leaf:
                 continue
             shape = np.shape(g)
             if elementwise and shape == np.shape(outvals[0]):
-                reads = cts + invals + outvals  # what element e of the cotangent is computed from
-                label = prov.combine(ct_labels + in_labels + out_labels, shape, bad)
+                # what element e of the cotangent is computed from
+                linear = eqn.primitive.name in READS_COTANGENT_ONLY
+                reads = cts if linear else cts + invals + outvals
+                label = prov.combine(ct_labels if linear else ct_labels + in_labels + out_labels, shape, bad)
                 born = {"nan": nonfinite_mask(g, "nan") & ~_masks(reads, shape, "nan"),
                         "inf": nonfinite_mask(g, "inf") & ~_masks(reads, shape, "any")}
             elif copying is not None and k in copying[1]:
