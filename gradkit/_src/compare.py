@@ -231,7 +231,7 @@ def _compare_input(label: str, at: _Point, custom: np.ndarray, ref: np.ndarray, 
     c_flat, r_flat = c64.reshape(-1), r64.reshape(-1)
     x_flat = x_np.reshape(-1)
     causes = _diagnose(label, x_flat, c64.reshape(-1, n_in), r64.reshape(-1, n_in), bad.reshape(-1, n_in),
-                       rel.reshape(-1, n_in), c_dtype, r_dtype, np.dtype(x.dtype), use_fd, reference, at)
+                       rel.reshape(-1, n_in), c_dtype, r_dtype, np.dtype(x.dtype), reference, at)
     side = ()
     if c64.size <= max_side_by_side:
         side = tuple((derivative_label(1, out_shape, k // n_in, tuple(x.shape), [k % n_in], label).split(" / ")[-1]
@@ -247,7 +247,7 @@ def _compare_input(label: str, at: _Point, custom: np.ndarray, ref: np.ndarray, 
 
 
 def _diagnose(label: str, x: np.ndarray, c: np.ndarray, r: np.ndarray, bad: np.ndarray, rel: np.ndarray,
-              c_dtype: np.dtype, r_dtype: np.dtype, x_dtype: np.dtype, use_fd: bool, reference: Any,
+              c_dtype: np.dtype, r_dtype: np.dtype, x_dtype: np.dtype, reference: Any,
               at: _Point) -> list[str]:
     """Sentences naming the likely cause of the difference, with numbers."""
     causes: list[str] = []
