@@ -7,10 +7,10 @@ under ``gradkit._src`` is private.
 
 from gradkit._src.audit import AuditReport as AuditReport
 from gradkit._src.audit import audit as audit
-from gradkit._src.check import Comparison as Comparison
+from gradkit._src.compare import Comparison as Comparison
 from gradkit._src.check import GradCheckReport as GradCheckReport
 from gradkit._src.check import check_grads as check_grads
-from gradkit._src.check import compare as compare
+from gradkit._src.compare import compare as compare
 from gradkit._src.compat import register_source_exclusion as _register_source_exclusion
 from gradkit._src.custom_gradient import custom_gradient as custom_gradient
 from gradkit._src.custom_gradient import custom_jvp as custom_jvp

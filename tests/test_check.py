@@ -105,3 +105,22 @@ def test_bad_arguments(kwargs, match):
         check_grads(jnp.sin, (jnp.ones(2),), **kwargs)
     with pytest.raises(gk.GradkitError, match="tuple of arguments"):
         check_grads(jnp.sin, jnp.ones(2))
+
+
+def test_relative_error_stays_meaningful_where_the_finite_difference_is_zero():
+    """d(x²)/dx at 0: the central difference is exactly 0, so |error| / |fd| alone would be ~1e+280."""
+    def with_offset(offset):
+        rule = gk.vjp_rule(lambda op, g: g * 2.0 * op.inputs[0] + offset)
+        return gk.override(lambda x: jnp.sum(x**2), {"integer_pow": rule})
+
+    x = jnp.array([0.0, 1.0])
+    (row,) = check_grads(with_offset(1e-20), (x,), order=1, modes=("rev",)).rows
+    assert row.passed
+    # the error at x[0] counts against atol (1e-20 / 1e-5); at x[1] against |fd| = 2 (float64 rounding)
+    assert row.max_rel_err < 1e-9
+    (row,) = check_grads(with_offset(1e-3), (x,), order=1, modes=("rev",)).rows
+    assert not row.passed
+    assert row.max_rel_err == pytest.approx(1e-3 / 1e-5, rel=1e-6)  # 100 atol-units off, not 1e+297
+    assert row.max_rel_at == "d out / dx[0]" == row.worst
+    assert row.numeric == 0.0 and row.autodiff == pytest.approx(1e-3)
+    assert "max rel err 100 at d out / dx[0]" in str(row)

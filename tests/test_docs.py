@@ -11,6 +11,9 @@ MODULES = [
     "gradkit._src.named",
     "gradkit._src.dispatch",
     "gradkit._src.errors",
+    "gradkit._src.audit",
+    "gradkit._src.check",
+    "gradkit._src.compare",
 ]
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -580,3 +580,71 @@ _ad.primitive_jvps[safe_scale_p] = _safe_scale_jvp
 _ad.primitive_transposes[safe_scale_p] = _safe_scale_transpose
 _batching.primitive_batchers[safe_scale_p] = _safe_scale_batch
 _mlir.register_lowering(safe_scale_p, _mlir.lower_fun(_safe_scale_value, multiple_results=False))
+# --------------------------------------------------------------------------- control-flow layouts (audit's replay)
+# How ``scan``, ``while`` and ``cond`` equations lay out their operands and
+# sub-programs. Checked on jax 0.8.0, 0.10.2 and 0.12.0.1. The sub-programs are
+# returned as stored (open or closed): split them with :func:`jaxpr_parts`.
+
+
+class ScanLayout(NamedTuple):
+    """A ``scan`` equation: operands ``consts + carry + xs``; outputs ``carry + ys``."""
+
+    body: Any
+    num_consts: int
+    num_carry: int
+    length: int
+    reverse: bool
+
+
+class WhileLayout(NamedTuple):
+    """A ``while`` equation: operands ``cond_consts + body_consts + carry``; outputs ``carry``."""
+
+    cond: Any
+    body: Any
+    cond_nconsts: int
+    body_nconsts: int
+
+
+class CondLayout(NamedTuple):
+    """A ``cond`` equation: operands ``index + operands``; each branch maps operands to the outputs."""
+
+    branches: tuple[Any, ...]
+
+
+def scan_layout(eqn: JaxprEqn) -> ScanLayout:
+    p = eqn.params
+    if "ft_in" in p:  # jax 0.12: the operand groups are a FlatTree (consts, carry, xs)
+        consts, carry, _ = p["ft_in"].unpack()
+        num_consts, num_carry = len(consts), len(carry)
+    else:  # jax <= 0.10
+        num_consts, num_carry = p["num_consts"], p["num_carry"]
+    return ScanLayout(p["jaxpr"], num_consts, num_carry, p["length"], p["reverse"])
+
+
+def while_layout(eqn: JaxprEqn) -> WhileLayout:
+    p = eqn.params
+    return WhileLayout(p["cond_jaxpr"], p["body_jaxpr"], p["cond_nconsts"], p["body_nconsts"])
+
+
+def cond_layout(eqn: JaxprEqn) -> CondLayout:
+    return CondLayout(tuple(eqn.params["branches"]))
+
+
+def call_equation(fn: Callable[..., Sequence[Any]], invars: Sequence[Any], outvars: Sequence[Any],
+                  like: JaxprEqn) -> JaxprEqn:
+    """One ``jit`` equation computing ``fn`` from ``invars`` into ``outvars``, to splice in place of ``like``.
+
+    ``fn`` maps arrays of the invars' avals to a list of arrays (one per
+    outvar); it is traced once, through the public ``jax.jit``, which keeps
+    any constants it closes over inside the equation's own sub-program. The
+    equation keeps ``like``'s source line.
+    """
+    structs = [aval_struct(v.aval) for v in invars]
+    traced = jax.make_jaxpr(jax.jit(lambda *xs: list(fn(*xs))))(*structs)
+    core, consts = jaxpr_parts(traced)
+    if len(core.eqns) != 1 or consts:  # pragma: no cover - jax.jit always gives one closed call
+        from gradkit._src.errors import GradkitError
+
+        raise GradkitError("internal: tracing a jitted function did not give one self-contained equation; "
+                           "please report this with the function that triggered it.")
+    return core.eqns[0].replace(invars=list(invars), outvars=list(outvars), source_info=like.source_info)

@@ -1,0 +1,337 @@
+"""What ``gk.audit`` returns: the report values, their JSON form and the human rendering.
+
+An :class:`AuditReport` holds one :class:`Finding` per independent birth place
+of a non-finite gradient; a finding is a chain of :class:`Step` s (where the
+NaN/inf was born, then what it became), each naming the exact elements
+involved (:class:`Element`), and the suggested :class:`Fix` with the verdict
+of its re-run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import textwrap
+from typing import Any
+
+import numpy as np
+
+from gradkit._src.describe import fmt, fmt_index, short_path
+
+__all__ = ["AuditReport", "Coverage", "Element", "Finding", "Fix", "Probe", "Step", "render"]
+
+_SHOWN = 6  # elements listed per step; the rest are counted
+
+
+def gk_name(name: str) -> str:
+    """``gradkit.stable.x`` as users write it: ``gk.stable.x``."""
+    return "gk." + name[len("gradkit."):] if name.startswith("gradkit.") else name
+
+
+@dataclasses.dataclass(frozen=True)
+class Element:
+    """One element where a NaN/inf was born (or passed through), with the values there.
+
+    Attributes:
+      index: the element's index in the op's operand (backward) or result (forward).
+      values: ``(name, value)`` pairs: the op's operands there (``x``; ``y``, ``x``),
+        named after the audited input when the operand is one.
+      iteration: the loop iteration, inside a scan or while loop.
+      on_input: the single operand is an audited input (``x[2] = 0``, not ``[2]: x = 0``).
+    """
+
+    index: tuple[int, ...]
+    values: tuple[tuple[str, float], ...]
+    iteration: int | None = None
+    on_input: bool = False
+
+    def __str__(self) -> str:
+        idx = fmt_index(self.index)
+        if len(self.values) == 1:
+            name, v = self.values[0]
+            return f"{name}{idx} = {fmt(v)}" if self.on_input or not idx else f"{idx}: {name} = {fmt(v)}"
+        names = ", ".join(n for n, _ in self.values)
+        vals = ", ".join(fmt(v) for _, v in self.values)
+        return f"{idx}: ({names}) = ({vals})" if idx else f"({names}) = ({vals})"
+
+
+def elements_text(elements: tuple[Element, ...], count: int) -> str:
+    """``x[2] = 0, x[4] = -1 (and 3 more)``."""
+    shown = ", ".join(str(e) for e in elements[:_SHOWN])
+    more = count - min(len(elements), _SHOWN)
+    return shown + (f" (and {more} more)" if more > 0 else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One birth in a finding's chain: where a NaN/inf appeared and why."""
+
+    op: str
+    phase: str  # "forward" | "backward"
+    kind: str  # "nan" | "inf"
+    file: str
+    line: int
+    function: str
+    where: str  # "inside scan at f.py:12 (iteration 3 of 8)", or ""
+    message: str
+    code: str = ""  # the source line, with a marker under the call
+    via: str = ""  # the library function the line called (``logsumexp``), if the op is inside one
+    rule: bool = False  # the op is overridden by a rule of the audited table
+    count: int = 0  # elements born here that lead to the non-finite gradient
+    total: int = 0  # elements of the array they are in
+    elements: tuple[Element, ...] = ()  # the first of them, with their values
+
+    @property
+    def location(self) -> str:
+        return f"{short_path(self.file)}:{self.line}" if self.file else "unknown source line"
+
+
+
+@dataclasses.dataclass(frozen=True)
+class Fix:
+    """A suggested fix and, when it could be applied, the re-run verdict.
+
+    Attributes:
+      kind: ``"table"`` (apply a rule table with ``gk.override``) or ``"code"``
+        (replace an expression with a stable function).
+      name: what to use: ``"gradkit.tables.SAFE"``, ``"gradkit.stable.log1pexp"``.
+      advice: one sentence saying what to change, where.
+      applied: whether audit could apply it to re-run the gradient.
+      finite: the gradient is finite with the fix (None: not run).
+      matches_fd: it matches float64 finite differences on the compared elements.
+      max_rel_err: the largest relative error there.
+      compared: elements compared; ``excluded`` elements left out (finite
+        differences undefined: a kink, a jump, a non-finite value).
+      note: why it was not applied, or what the re-run found.
+    """
+
+    kind: str
+    name: str
+    advice: str
+    applied: bool = False
+    finite: bool | None = None
+    matches_fd: bool | None = None
+    max_rel_err: float | None = None
+    compared: int = 0
+    excluded: int = 0
+    note: str = ""
+    checked_with: str = ""  # the equivalent fix audit re-ran, when this one is a code change it cannot make
+
+    @property
+    def verified(self) -> bool:
+        return bool(self.applied and self.finite and self.matches_fd)
+
+    def verdict(self) -> str:
+        if not self.applied:
+            return f"not re-run: {self.note}" if self.note else "not re-run"
+        if self.checked_with:
+            return (f"(with the equivalent {gk_name(self.checked_with)}) "
+                    + dataclasses.replace(self, checked_with="").verdict())
+        if not self.finite:
+            return "gradient still non-finite" + (f" ({self.note})" if self.note else "")
+        excl = (f"; {self.excluded} element(s) left out where finite differences are undefined (a kink, a jump or a non-finite value)"
+                if self.excluded else "")
+        if self.matches_fd is None:
+            return f"gradient finite; not compared with finite differences ({self.note or 'no comparable element'})"
+        if self.matches_fd:
+            return (f"gradient finite, matches float64 finite differences on {self.compared} element(s) "
+                    f"(max rel err {fmt(self.max_rel_err)}){excl}")
+        return (f"gradient finite but differs from float64 finite differences (max rel err "
+                f"{fmt(self.max_rel_err)} on {self.compared} element(s)){excl}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """A non-finite gradient traced to where it was born, with a suggested fix."""
+
+    op: str
+    location: str
+    where: str
+    message: str
+    chain: tuple[Step, ...]
+    fix: Fix | None
+    alternatives: tuple[Fix, ...] = ()
+
+    @property
+    def root(self) -> Step:
+        return self.chain[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Coverage:
+    """Which rules of the audited table fired (per equation in the program), and which never matched."""
+
+    table_size: int
+    fired: tuple[tuple[str, int], ...]
+    never: tuple[str, ...]
+
+    def __str__(self) -> str:
+        fired = ", ".join(f"{n} x{c}" for n, c in self.fired) or "none"
+        never = ", ".join(self.never) or "none"
+        return f"{len(self.fired)} of {self.table_size} rules fired ({fired}); never matched: {never}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """One edge-value input tried by ``audit(..., sweep=True)``."""
+
+    input: str
+    probe: str
+    value_finite: bool
+    grad_finite: bool
+    op: str = ""
+    location: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditReport:
+    """Result of :func:`audit`. ``str(report)`` is the human report; ``to_dict()`` the JSON one.
+
+    Attributes:
+      function: the audited function's name; ``source`` its ``file:line``.
+      inputs: ``"name: dtype[shape]"`` per input.
+      value: a summary of the function's value (``"finite"`` or what is not).
+      gradients: per differentiated input: ``(name, non-finite count, size)``.
+      findings: one per independent birth place of the non-finite gradient.
+      coverage: with ``table=``, which rules fired.
+      sweep: with ``sweep=True``, the probes whose gradient was non-finite.
+      probes: how many edge-value inputs the sweep tried.
+      note: anything the audit could not do.
+      nonfinite_at: per differentiated input with a non-finite gradient, ``(name,
+        indices)``: the first few non-finite elements of its gradient.
+    """
+
+    function: str
+    source: str
+    inputs: tuple[str, ...]
+    value: str
+    gradients: tuple[tuple[str, int, int], ...]
+    findings: tuple[Finding, ...]
+    coverage: Coverage | None = None
+    sweep: tuple[Probe, ...] | None = None
+    probes: int = 0
+    note: str = ""
+    nonfinite_at: tuple[tuple[str, tuple[tuple[int, ...], ...]], ...] = ()
+
+    @property
+    def finite(self) -> bool:
+        """The gradient at the audited inputs is finite everywhere."""
+        return all(bad == 0 for _, bad, _ in self.gradients)
+
+    @property
+    def ok(self) -> bool:
+        """Finite gradient, and no sweep probe broke it."""
+        return self.finite and not self.sweep
+
+    def __str__(self) -> str:
+        return render(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["finite"] = self.finite
+        d["ok"] = self.ok
+        for f, fd in zip(self.findings, d["findings"]):
+            for fix, fixd in zip(([f.fix] if f.fix else []) + list(f.alternatives),
+                                 ([fd["fix"]] if f.fix else []) + list(fd["alternatives"])):
+                fixd["verified"] = fix.verified
+                fixd["verdict"] = fix.verdict()
+            for s, sd in zip(f.chain, fd["chain"]):
+                sd["location"] = s.location
+        d["gradients"] = [{"input": n, "nonfinite": b, "size": s} for n, b, s in self.gradients]
+        if self.coverage is not None:
+            d["coverage"] = {"table_size": self.coverage.table_size, "fired": dict(self.coverage.fired),
+                             "never": list(self.coverage.never)}
+        return _jsonable(d)
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, (np.floating, np.integer)):
+        return _jsonable(x.item())
+    return x
+
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def _wrap(lines: list[str], width: int = 110) -> list[str]:
+    """Wraps long report lines under their text column (code excerpts are left as they are)."""
+    out = []
+    for ln in lines:
+        if len(ln) <= width or not ln.startswith(" ") or re.match(r"^\s+(\d+ )?\| ", ln):
+            out.append(ln)
+            continue
+        col = 19
+        out += textwrap.wrap(ln, width=width, subsequent_indent=" " * col, break_on_hyphens=False,
+                             break_long_words=False) or [ln]
+    return out
+
+
+def _indices(name: str, idx: tuple[tuple[int, ...], ...], count: int) -> str:
+    if not idx or not idx[0]:
+        return ""
+    shown = ", ".join(f"{name}{fmt_index(i)}" for i in idx[:_SHOWN])
+    return ": " + shown + (", ..." if count > min(len(idx), _SHOWN) else "")
+
+
+def render(r: AuditReport) -> str:
+    """The human-readable report (what ``print(report)`` and ``gradkit audit`` show)."""
+    status = "ok" if r.ok else ("FINDING" if not r.finite else "SWEEP FINDING")
+    head = f"{r.function}({', '.join(r.inputs)})"
+    lines = [f"{status:<8} {head}" + (f"   [{r.source}]" if r.source else "")]
+    ind = " " * 9
+    lines.append(f"{ind}value     {r.value}")
+    if r.finite:
+        lines.append(f"{ind}gradient  finite for every input")
+    else:
+        at = dict(r.nonfinite_at)
+        bad = [f"{n} ({b} of {s}{_indices(n, at.get(n, ()), b)})" for n, b, s in r.gradients if b]
+        lines.append(f"{ind}gradient  non-finite in {', '.join(bad)}")
+    for k, f in enumerate(r.findings):
+        tag = f"finding {k + 1}" if len(r.findings) > 1 else "born at"
+        root = f.root
+        via = f" in `{root.via}`" if root.via else ""
+        phase = f"{root.phase} pass" + (" of the table's rule" if root.rule else "")
+        lines.append(f"{ind}{tag:<9} {root.location}  `{root.op}`{via} ({phase})"
+                     + (f", {root.where}" if root.where else ""))
+        lines.append(f"{ind}          {root.message}")
+        if root.elements:
+            lines.append(f"{ind}elements  {elements_text(root.elements, root.count)}")
+        if root.code:
+            lines += [f"{ind}          {ln}" for ln in root.code.splitlines()]
+        for s in f.chain[1:]:
+            lines.append(f"{ind}then      {s.location}  {s.message}" + (f", {s.where}" if s.where and s.where != root.where else ""))
+            if s.elements:
+                lines.append(f"{ind}          at {elements_text(s.elements, s.count)}")
+        if f.fix is not None:
+            lines.append(f"{ind}fix       {f.fix.advice}")
+            lines.append(f"{ind}re-run    {f.fix.verdict()}")
+        for a in f.alternatives:
+            if a.verified:
+                lines.append(f"{ind}also      {gk_name(a.name)} (re-run: finite, matches finite differences)")
+            elif a.kind == "code" and not a.applied:
+                advice = a.advice[0].lower() + a.advice[1:] if a.advice.startswith("Or") else a.advice
+                lines.append(f"{ind}also      {'' if advice.startswith('or ') else 'or '}{advice}")
+    if r.note:
+        lines.append(f"{ind}note      {r.note}")
+    if r.coverage is not None:
+        lines.append(f"{ind}rules     {r.coverage}")
+    if r.sweep is not None:
+        if not r.sweep:
+            lines.append(f"{ind}sweep     {r.probes} edge-value probes: gradient finite for all")
+        else:
+            lines.append(f"{ind}sweep     {len(r.sweep)} of {r.probes} edge-value probes break the gradient:")
+            for p in r.sweep[:12]:
+                where = f" -> `{p.op}` at {p.location}" if p.op else ""
+                val = "" if p.value_finite else " (value non-finite too)"
+                lines.append(f"{ind}            {p.probe}{val}{where}")
+            if len(r.sweep) > 12:
+                lines.append(f"{ind}            ... and {len(r.sweep) - 12} more")
+    return "\n".join(_wrap(lines))
