@@ -14,6 +14,7 @@ import pytest
 from jax import lax
 
 import gradkit as gk
+from gradkit._src import compat
 from gradkit._src import custom_gradient as cg_module
 
 from gradkit import custom_gradient, custom_jvp
@@ -392,8 +393,10 @@ def test_grad_fn_errors_wait_until_differentiation():
     x = jnp.array([1.5, -0.5])
     np.testing.assert_array_equal(no_gradient(x), [1.0, -1.0])  # the forward is fine
     np.testing.assert_array_equal(jax.jit(no_gradient)(x), [1.0, -1.0])
-    _raises(r"no_gradient.*NotImplementedError: no gradient for this op",
-            jax.grad(lambda v: jnp.sum(no_gradient(v))), x)
+    for transform in (jax.grad, jax.jacfwd):  # forward mode reports the same error
+        with pytest.raises(NotImplementedError, match="no gradient for this op") as info:
+            transform(lambda v: jnp.sum(no_gradient(v)))(x)
+        assert "[gradkit] raised in the grad_fn of custom_gradient function 'no_gradient'" in _notes(info.value)
 
 
 def test_forward_is_traced_once_per_signature():
@@ -458,19 +461,19 @@ def test_own_rule_serves_another_op(maybe_jit):
     def softplus_naive(x):
         return jnp.log1p(jnp.exp(x))
 
-    assert isinstance(log1pexp.rule, gk.Rule) and log1pexp.rule.mode == "vjp"
     x = jnp.array([-3.0, 0.0, 2.0, 100.0])
+    assert isinstance(log1pexp.rule, gk.Rule) and log1pexp.rule.mode == "jvp"  # grad_fn transposed: both modes
     f = gk.override(lambda v: jnp.sum(softplus_naive(v)), {"softplus_naive": log1pexp.rule})
+    np.testing.assert_allclose(maybe_jit(jax.jacfwd(f))(x), jax.nn.sigmoid(x), rtol=1e-6)
     np.testing.assert_allclose(maybe_jit(jax.grad(f))(x), jax.nn.sigmoid(x), rtol=1e-6)
 
-    @custom_gradient(mode="both")
-    def log1pexp_both(x):
+    @custom_gradient(mode="vjp")
+    def log1pexp_vjp(x):
         e = jnp.exp(x)
         return jnp.log1p(e), lambda g: g * (1 - 1 / (1 + e))
 
-    assert log1pexp_both.rule.mode == "jvp"  # a forward rule: the table's op gets both modes
-    f = gk.override(lambda v: jnp.sum(softplus_naive(v)), {"softplus_naive": log1pexp_both.rule})
-    np.testing.assert_allclose(maybe_jit(jax.jacfwd(f))(x), jax.nn.sigmoid(x), rtol=1e-6)
+    assert log1pexp_vjp.rule.mode == "vjp"  # a reverse-mode rule, for any grad_fn
+    f = gk.override(lambda v: jnp.sum(softplus_naive(v)), {"softplus_naive": log1pexp_vjp.rule})
     np.testing.assert_allclose(maybe_jit(jax.grad(f))(x), jax.nn.sigmoid(x), rtol=1e-6)
 
     @gk.op("argmax_value")
@@ -498,6 +501,11 @@ def test_rule_of_a_multi_input_function_in_a_table():
 
 
 # --------------------------------------------------------------------------- errors
+
+
+def _notes(e):
+    """An exception's notes (Python 3.11+), or its message where notes are appended to it."""
+    return "\n".join(getattr(e, "__notes__", [])) or str(e)
 
 
 def _raises(match, fn, *args):
@@ -541,7 +549,7 @@ def test_error_wrong_shape_and_structure():
 def test_error_complex_gradient_for_real_input():
     @custom_gradient
     def cplx(x):
-        return x, lambda g: g * (1 + 1j)
+        return x, lambda g: lax.complex(g, g)
 
     assert "complex" in _raises("cplx", jax.grad(cplx), 1.0)
 
@@ -577,7 +585,11 @@ def test_error_inside_grad_fn_names_the_function():
 
         return x, grad
 
-    _raises(r"branchy.*grad_fn raised", jax.grad(branchy), 1.0)
+    with pytest.raises(jax.errors.TracerBoolConversionError) as info:  # the user's error keeps its type
+        jax.grad(branchy)(1.0)
+    note = _notes(info.value)
+    assert "[gradkit] raised in the grad_fn of custom_gradient function 'branchy'" in note
+    assert "jnp.where" in note
 
 
 def test_error_bad_arguments_and_options():
@@ -678,18 +690,128 @@ def test_mode_both_under_vmap_and_override(maybe_jit):
         jax.jacfwd(f)(1.0))
 
 
-def test_mode_both_rejects_a_nonlinear_grad_fn():
-    @custom_gradient(mode="both")
-    def clipped(x):
-        return x, lambda g: jnp.clip(g, -1.0, 1.0)
+# Each grad_fn below is not linear in upstream: reverse mode must use it as written, forward mode must refuse.
+NONLINEAR = {
+    "clips": (lambda x, g: jnp.clip(g, -1.0, 1.0) * x, "JAX cannot transpose it"),
+    "branches": (lambda x, g: jnp.where(g > 0, g, 0.5 * g) * x, "non-float"),
+    "squares": (lambda x, g: g * g * x, "JAX cannot transpose it"),
+    "adds_a_constant": (lambda x, g: g * x + 1.0, "does not depend on upstream"),
+    "is_constant": (lambda x, g: jnp.ones_like(x), "does not depend on upstream"),
+    "rounds": (lambda x, g: jnp.round(g * 4.0) * x, "JAX cannot transpose it"),
+}
 
-    _raises(r"clipped.*mode='both'.*linear", jax.jacfwd(clipped), 1.0)
-    _raises(r"clipped.*mode='both'.*linear", jax.grad(clipped), 1.0)  # reverse mode goes through it too
+
+def _nonlinear(kind, mode="both"):
+    grad = NONLINEAR[kind][0]
+
+    @custom_gradient(name=kind, mode=mode)
+    def f(x):
+        return jnp.sin(x), lambda g: grad(x, g)
+
+    return f
 
 
-def test_mode_vjp_refuses_forward_mode_like_custom_vjp():
-    with pytest.raises(TypeError, match="forward-mode"):
-        jax.jacfwd(log1pexp)(1.0)
+@pytest.mark.parametrize("kind", sorted(NONLINEAR))
+def test_nonlinear_grad_fn_keeps_reverse_mode_and_refuses_forward_mode(kind, maybe_jit):
+    f, f_vjp = _nonlinear(kind), _nonlinear(kind, mode="vjp")
+    x = jnp.array([0.5, -2.0, 3.0])
+    upstream = jnp.array([0.25, -3.0, 1.7])
+    # Reverse mode: exactly grad_fn(upstream), as with mode="vjp" (and as before forward mode existed).
+    want = NONLINEAR[kind][0](x, upstream)
+    got = maybe_jit(lambda v, u: jax.vjp(f, v)[1](u)[0])(x, upstream)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got, maybe_jit(lambda v, u: jax.vjp(f_vjp, v)[1](u)[0])(x, upstream))
+    # Forward mode: a [gradkit] error naming the function and why.
+    for fwd in (lambda v: jax.jvp(f, (v,), (v,)), jax.jacfwd(f), jax.hessian(lambda v: jnp.sum(f(v)))):
+        msg = _raises(rf"{kind}.*forward mode", maybe_jit(fwd), x)
+        assert "not linear in the upstream gradients" in msg and NONLINEAR[kind][1] in msg
+        assert "gk.custom_jvp" in msg and "test_custom_gradient.py" in msg
+
+
+def test_forward_mode_applied_inside_jit_names_the_function():
+    # jax.jvp inside an enclosing jit: JAX itself would only fail when compiling the outer jit.
+    f = _nonlinear("clips")
+    _raises("clips.*forward mode", jax.jit(lambda v: jax.jvp(f, (v,), (v,))), jnp.ones(2))
+
+
+def test_mode_vjp_is_reverse_only():
+    @custom_gradient(mode="vjp")
+    def cube(x):
+        return x**3, lambda g: g * 3 * x**2
+
+    assert float(jax.grad(cube)(2.0)) == 12.0
+    msg = _raises(r"cube.*forward mode.*mode='vjp'", jax.jacfwd(cube), 2.0)
+    assert "jax.grad" in msg
+    _raises(r"cube.*forward mode", lambda: jax.jvp(cube, (2.0,), (1.0,)))
+    _raises("mode must be 'both' \\(the default\\) or 'vjp'", lambda: custom_gradient(mode="jvp"))
+
+
+def test_mode_both_is_the_default():
+    def f(x):
+        return jnp.sin(x), lambda g: g * jnp.cos(x)
+
+    default, both, vjp = custom_gradient(f), custom_gradient(mode="both")(f), custom_gradient(mode="vjp")(f)
+
+    def prims(g):
+        inner = jax.make_jaxpr(g)(1.0).jaxpr.eqns[0].params["jaxpr"]
+        return [e.primitive.name for e in compat.jaxpr_parts(inner)[0].eqns]
+
+    assert prims(default) == prims(both) == ["custom_jvp_call"]
+    assert prims(vjp) == ["custom_vjp_call"] or prims(vjp) == ["custom_vjp_call_jaxpr"]
+
+
+@custom_gradient
+def twice_identity(x):
+    # A gradient that is not the true one (TensorFlow's forward-accumulator test): forward mode must use it.
+    return x, lambda g: g * 2.0
+
+
+def test_forward_mode_by_default_uses_grad_fn(x64, maybe_jit):
+    x = np.array([0.3, -1.2])
+    out, tan = maybe_jit(lambda v, t: jax.jvp(twice_identity, (v,), (t,)))(x, np.array([1.0, 5.0]))
+    np.testing.assert_array_equal(out, x)
+    np.testing.assert_array_equal(tan, [2.0, 10.0])
+    # The seed examples: forward mode against JAX's autodiff of the plain functions and finite differences.
+    xs = np.array([-3.0, 0.5, 2.0])
+    np.testing.assert_allclose(maybe_jit(jax.jacfwd(log1pexp))(xs), np.diag(1 / (1 + np.exp(-xs))), rtol=1e-12)
+    np.testing.assert_allclose(maybe_jit(jax.hessian(lambda v: jnp.sum(log1pexp(v))))(xs),
+                               jax.hessian(lambda v: jnp.sum(jnp.log1p(jnp.exp(v))))(xs), rtol=1e-12)
+    jb = maybe_jit(jax.jacfwd(bar, argnums=(0, 1)))(2.0, 3.0)
+    assert (float(jb[0]), float(jb[1])) == (3.0, 2.0)
+    a, b = np.array([0.7, 1.3]), np.array([2.0, -0.4])
+    jz = maybe_jit(jax.jacfwd(lambda u: jnp.concatenate(complex_op(u[:2], u[2:]))))(np.concatenate([a, b]))
+    plain = lambda u: np.concatenate([u[:2] * u[2:] + np.sin(u[:2]), u[:2] / u[2:]])
+    np.testing.assert_allclose(jz, fd_jac(plain, np.concatenate([a, b])), rtol=1e-7, atol=1e-9)
+    rows = np.array([[0.1, 0.9, 0.3], [1.2, 0.4, 0.2]])
+    jt = maybe_jit(jax.vmap(jax.jacfwd(take_max)))(rows)
+    np.testing.assert_allclose(jt, maybe_jit(jax.vmap(jax.grad(take_max)))(rows), rtol=1e-12)
+
+
+def test_reverse_mode_of_the_default_matches_mode_vjp(x64, maybe_jit):
+    def make(mode):
+        @custom_gradient(mode=mode)
+        def layer(w, x):
+            h = jnp.tanh(x @ w)
+
+            def grad(g):
+                d = g * (1 - h**2)
+                return x.T @ d, d @ w.T
+
+            return h, grad
+
+        return layer
+
+    rng = np.random.default_rng(0)
+    w, x = rng.normal(size=(4, 3)), rng.normal(size=(5, 4))
+    loss = lambda layer: lambda w, x: jnp.sum(jnp.sin(layer(w, x)))
+    g_both = maybe_jit(jax.grad(loss(make("both")), argnums=(0, 1)))(w, x)
+    g_vjp = maybe_jit(jax.grad(loss(make("vjp")), argnums=(0, 1)))(w, x)
+    g_ref = jax.grad(lambda w, x: jnp.sum(jnp.sin(jnp.tanh(x @ w))), argnums=(0, 1))(w, x)
+    for a, b, c in zip(g_both, g_vjp, g_ref):
+        np.testing.assert_allclose(a, b, rtol=1e-13)
+        np.testing.assert_allclose(a, c, rtol=1e-12)
+    jf = maybe_jit(jax.jacfwd(make("both"), argnums=0))(w, x)
+    np.testing.assert_allclose(jf, jax.jacfwd(lambda w: jnp.tanh(x @ w))(w), rtol=1e-12)
 
 
 @custom_jvp
