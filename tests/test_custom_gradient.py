@@ -5,7 +5,9 @@ differences in float64, hand-derived formulas, or JAX autodiff of the plain
 function where that is correct.
 """
 
+import dataclasses
 import doctest
+import math
 
 import jax
 import jax.numpy as jnp
@@ -885,6 +887,194 @@ def test_custom_jvp_errors():
         return jnp.sum(x), lambda t: t  # tangent not reduced
 
     assert "shape (3,), expected ()" in _raises("wrong_shape", jax.jvp, wrong_shape, (jnp.ones(3),), (jnp.ones(3),))
+
+
+# --------------------------------------------------------------------------- methods
+
+
+class Scaled:
+    """A plain object: `self` is keyed by identity and its arrays are closed over."""
+
+    def __init__(self, scale):
+        self.scale = scale
+
+    @custom_gradient
+    def mul(self, a, b):
+        s = self.scale
+        return a * b * s, lambda g: (g * b * s, g * a * s)
+
+    @custom_gradient
+    def power(self, x, n, *, shift=0.0):
+        y = (x + shift) ** n * self.scale
+        return y, lambda g: (g * n * (x + shift) ** (n - 1) * self.scale, None)
+
+    @custom_jvp
+    def mul_jvp(self, a, b):
+        return a * b * self.scale, lambda ta, tb: (ta * b + a * tb) * self.scale
+
+
+@jax.tree_util.register_pytree_node_class
+class PScaled:
+    """A pytree: its arrays are passed in at each call, so instances share one trace."""
+
+    traces = 0
+
+    def __init__(self, scale):
+        self.scale = scale
+
+    def tree_flatten(self):
+        return (self.scale,), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children)
+
+    @custom_gradient
+    def mul(self, a, b):
+        PScaled.traces += 1
+        s = self.scale
+        return a * b * s, lambda g: (g * b * s, g * a * s)
+
+
+def test_method_binds_self_first(x64, maybe_jit):
+    m = Scaled(jnp.float64(1.5))
+    a, b = np.array([0.5, -2.0]), np.array([3.0, 0.25])
+    plain = lambda a, b: jnp.sum(a * b * 1.5)
+    want = jax.grad(plain, argnums=(0, 1))(a, b)
+    for f in (lambda a, b: m.mul(a, b), lambda a, b: Scaled.mul(m, a, b)):
+        got = maybe_jit(jax.grad(lambda a, b: jnp.sum(f(a, b)), argnums=(0, 1)))(a, b)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-15)
+        jf = maybe_jit(jax.jacfwd(f, argnums=1))(a, b)
+        np.testing.assert_allclose(jf, np.diag(a * 1.5), rtol=1e-15)
+    fd = fd_grad(lambda a, b: np.sum(a * b * 1.5), [a, b])
+    np.testing.assert_allclose(want[0], fd[0], rtol=1e-8)
+    # Statics and keywords after self; another instance is another trace with its own values.
+    x = np.array([1.0, 2.0])
+    g3 = maybe_jit(jax.grad(lambda v: jnp.sum(m.power(v, 3, shift=1.0))))(x)
+    np.testing.assert_allclose(g3, 3 * (x + 1) ** 2 * 1.5, rtol=1e-15)
+    m2 = Scaled(jnp.float64(-2.0))
+    np.testing.assert_allclose(maybe_jit(jax.grad(lambda a: jnp.sum(m2.mul(a, b))))(a), b * -2.0, rtol=1e-15)
+    # custom_jvp methods get tangents for the arguments after self.
+    _, t = maybe_jit(lambda a, b: jax.jvp(m.mul_jvp, (a, b), (b, a)))(a, b)
+    np.testing.assert_allclose(t, (b * b + a * a) * 1.5, rtol=1e-15)
+    np.testing.assert_allclose(maybe_jit(jax.grad(lambda a: jnp.sum(m.mul_jvp(a, b))))(a), b * 1.5, rtol=1e-15)
+
+
+def test_pytree_self_is_passed_in_and_closed_over(maybe_jit):
+    a, b = jnp.array([0.5, -2.0]), jnp.array([3.0, 0.25])
+    loss = maybe_jit(lambda m, a: jnp.sum(m.mul(a, b)))
+    seen = []
+    for scale in (1.5, -4.0, 0.25):  # same structure: one trace, each call with its own scale
+        m = PScaled(jnp.float32(scale))
+        np.testing.assert_allclose(jax.grad(loss, argnums=1)(m, a), b * scale, rtol=1e-6)
+        np.testing.assert_allclose(loss(m, a), np.sum(np.asarray(a) * np.asarray(b) * scale), rtol=1e-6)
+        seen.append(PScaled.traces)
+    assert seen[0] == seen[-1]  # the later instances reused the first one's trace
+    msg = _raises(r"mul.*closes over a traced value.*or holds one in `self`",
+                  jax.grad(lambda m: jnp.sum(m.mul(a, b))), PScaled(jnp.float32(2.0)))
+    assert "stop_gradient" in msg
+
+
+def test_method_errors():
+    class Three:
+        @custom_gradient
+        def mul(self, a, b):
+            return a * b, lambda g: (None, g * b, g * a)  # a gradient for self too
+
+    assert "returned 3 gradients, expected 2" in _raises("mul", jax.grad(Three().mul), 2.0, 3.0)
+
+    @dataclasses.dataclass
+    class Unhashable:  # eq=True without frozen: no __hash__, and not a pytree
+        s: float
+
+        @custom_gradient
+        def mul(self, a):
+            return a * self.s, lambda g: g * self.s
+
+    assert "`self` is keyed by its hash" in _raises("unhashable", Unhashable(2.0).mul, jnp.ones(2))
+
+    def outside(self, a):  # a method assigned after the class was made: bound by the name `self`
+        return a * self.k, lambda g: g * self.k
+
+    class Late:
+        k = 3.0
+
+    Late.mul = custom_gradient(outside)
+    assert float(jax.grad(Late().mul)(1.0)) == 3.0
+
+    @custom_gradient
+    def two_for_three(x, y, z):
+        return x * y * z, lambda g: (g, g)
+
+    msg = _raises("returned 2 gradients, expected 3", jax.grad(two_for_three), 1.0, 2.0, 3.0)
+    assert "`self`" not in msg  # the hint is only for one extra gradient
+
+
+# --------------------------------------------------------------------------- user errors keep their type
+
+
+def test_exceptions_in_grad_fn_and_jvp_fn_keep_their_type(maybe_jit):
+    @custom_gradient
+    def boom(x):
+        def grad(g):
+            raise RuntimeError("grad_fn exploded")
+
+        return x * 2.0, grad
+
+    @custom_jvp
+    def boom_jvp(x):
+        def jvp_fn(t):
+            raise ValueError("jvp_fn exploded")
+
+        return x * 2.0, jvp_fn
+
+    x = jnp.array([1.0, 2.0])
+    np.testing.assert_array_equal(maybe_jit(boom)(x), [2.0, 4.0])
+    cases = [(RuntimeError, "grad_fn exploded", "grad_fn of custom_gradient function 'boom'", boom),
+             (ValueError, "jvp_fn exploded", "jvp_fn of custom_jvp function 'boom_jvp'", boom_jvp)]
+    for kind, message, note, f in cases:
+        for transform in (jax.grad, jax.jacfwd):
+            with pytest.raises(kind, match=message) as info:
+                maybe_jit(transform(lambda v: jnp.sum(f(v))))(x)
+            assert not isinstance(info.value, gk.GradkitError)
+            assert f"[gradkit] raised in the {note}" in _notes(info.value)
+            assert "test_custom_gradient.py" in _notes(info.value)
+
+    @custom_gradient
+    def none_upstream(x):
+        return x * 2.0, jnp.argmax(x), lambda g, gi: (g + gi,)  # gi is None: integer output
+
+    with pytest.raises(TypeError) as info:
+        jax.grad(lambda v: jnp.sum(none_upstream(v)[0]))(x)
+    assert "None for integer outputs" in _notes(info.value)
+
+
+# --------------------------------------------------------------------------- static-argument cache
+
+
+def test_static_cache_keys_signed_zero_and_nan(maybe_jit):
+    traces = []
+
+    @custom_gradient
+    def signed(x, s):
+        traces.append(s)
+        sign = math.copysign(1.0, s)
+        return x * sign, lambda g: (g * sign, None)
+
+    x = jnp.array([1.0, -2.0])
+    np.testing.assert_array_equal(signed(x, 0.0), x)
+    per_signature = len(traces)
+    np.testing.assert_array_equal(signed(x, -0.0), -x)  # not the +0.0 program
+    assert len(traces) == 2 * per_signature
+    np.testing.assert_array_equal(maybe_jit(jax.grad(lambda v: jnp.sum(signed(v, -0.0))))(x), [-1.0, -1.0])
+    np.testing.assert_array_equal(maybe_jit(jax.grad(lambda v: jnp.sum(signed(v, 0.0))))(x), [1.0, 1.0])
+    n = len(traces)
+    for _ in range(3):
+        np.testing.assert_array_equal(signed(x, float("nan")), x)  # copysign(1, nan) = 1
+    assert len(traces) == n + per_signature  # every NaN hits one entry
+    signed(x, 0.0), signed(x, -0.0), signed(x, float("nan"))
+    assert len(traces) == n + per_signature
 
 
 # --------------------------------------------------------------------------- docs

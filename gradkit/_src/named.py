@@ -82,10 +82,10 @@ class Signature:
 # jit name -> signature. Weak: an entry lives while its decorated function
 # (whose per-signature cache holds it) or a traced program (custom_gradient's
 # rules hold theirs) does, so functions decorated on the fly do not pile up.
-# The last few hundred also stay alive here, for a function decorated inside
+# The last 128 also stay alive here, for a function decorated inside
 # a traced function and dropped before the dispatcher reads the program.
 _REGISTRY: weakref.WeakValueDictionary[str, Signature] = weakref.WeakValueDictionary()
-_RECENT: collections.deque[Signature] = collections.deque(maxlen=256)
+_RECENT: collections.deque[Signature] = collections.deque(maxlen=128)
 
 
 def lookup(jit_name: str) -> Signature | None:
