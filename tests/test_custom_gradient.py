@@ -734,6 +734,36 @@ def test_forward_mode_applied_inside_jit_names_the_function():
     # jax.jvp inside an enclosing jit: JAX itself would only fail when compiling the outer jit.
     f = _nonlinear("clips")
     _raises("clips.*forward mode", jax.jit(lambda v: jax.jvp(f, (v,), (v,))), jnp.ones(2))
+    # Forward mode of a jit that was traced first reaches only the compiled program: JAX's own error.
+    with pytest.raises((TypeError, gk.GradkitError), match="custom_vjp|forward mode"):
+        jax.jvp(jax.jit(f), (jnp.ones(2),), (jnp.ones(2),))
+
+
+# Linear grad_fns written in common ways: each must serve forward mode (no false "not linear").
+LINEAR = {
+    "where_zero": lambda x, g: jnp.where(x > 0, g, 0.0) * jnp.cos(x),
+    "scatter_into_zeros": lambda x, g: jnp.zeros_like(x).at[jnp.argmax(x)].set(jnp.sum(g)),
+    "pad_and_slice": lambda x, g: jnp.pad(g[1:], (1, 0)) * 2.0,
+    "concatenate_zeros": lambda x, g: jnp.concatenate([g[:1] * 3.0, jnp.zeros(2, g.dtype)]),
+    "library_function": lambda x, g: g * jax.nn.sigmoid(x),
+    "cond_on_primal": lambda x, g: lax.cond(jnp.sum(x) > 0, lambda u: u * 2.0, lambda u: -u, g),
+    "scan_over_upstream": lambda x, g: lax.scan(lambda c, u: (c + u, c + u), 0.0, g)[1],
+    "minus": lambda x, g: -g - g * x,
+}
+
+
+@pytest.mark.parametrize("kind", sorted(LINEAR))
+def test_linear_grad_fns_serve_forward_mode(kind, x64, maybe_jit):
+    grad = LINEAR[kind]
+
+    @custom_gradient(name=kind)
+    def f(x):
+        return jnp.sin(x), lambda g: grad(x, g)
+
+    x = np.array([0.5, -2.0, 3.0])
+    jr = maybe_jit(jax.jacrev(f))(x)
+    np.testing.assert_allclose(jr, jax.vmap(lambda u: grad(x, u))(np.eye(3)), rtol=1e-14)  # rows: grad_fn(e_i)
+    np.testing.assert_allclose(maybe_jit(jax.jacfwd(f))(x), jr, rtol=1e-14)
 
 
 def test_mode_vjp_is_reverse_only():

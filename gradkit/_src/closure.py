@@ -47,10 +47,6 @@ class JaxprFn:
         fixed = tuple(None if i in slots else c for i, c in enumerate(consts))
         return cls(jaxpr, slots, fixed), [consts[i] for i in slots]
 
-    @property
-    def n_consts(self) -> int:
-        return len(self.fixed)
-
     def __call__(self, captured: Sequence[Any], args: Sequence[Any]) -> list[Any]:
         consts = list(self.fixed)
         for i, c in zip(self.slots, captured):
@@ -171,7 +167,8 @@ def forward_problem(static: ClosureStatic, cap_structs: Sequence[Any], out: Sequ
     try:
         jax.eval_shape(transpose, cap_structs, out_structs)
     except Exception as e:  # what JAX says about the primitive it cannot transpose
-        return f"JAX cannot transpose it ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})"
+        said = str(e).strip().splitlines()
+        return f"JAX cannot transpose it ({type(e).__name__}{': ' + said[0] if said else ''})"
     return None
 
 

@@ -111,11 +111,6 @@ def compile_op(sig: Signature, body: Callable[[list[Any]], Any]) -> Callable[...
     return jax.jit(flat_body)
 
 
-def is_dynamic(x: Any) -> bool:
-    """Arrays (JAX, NumPy) and Python numbers are traced; everything else is static."""
-    return args_lib.array_or_number(x)
-
-
 def op(name: str) -> Callable[[F], F]:
     """Makes a function one named operation that a rule table can target.
 
