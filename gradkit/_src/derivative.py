@@ -78,7 +78,8 @@ class Plan:
         bound = list(all_dyn[:nb])
         structs = [_struct(x) for x in all_dyn[nb:]]
         primal, cap_p = cl.JaxprFn.trace(lambda *d: call.run([*bound, *d])[2], structs)
-        box: list[tuple[cl.ClosureStatic, list[jax.ShapeDtypeStruct]]] = []  # no tracer: the plan outlives the trace
+        # Shapes only, no tracer: the plan outlives this trace.
+        box: list[tuple[cl.ClosureStatic, list[jax.ShapeDtypeStruct]]] = []
 
         def residuals(*d: Any) -> list[Any]:
             outputs, closure, out = call.run([*bound, *d])
@@ -101,11 +102,11 @@ class Plan:
         if mode == "vjp":
             problem = "it has mode='vjp' (reverse mode only)"
         elif mode == "both":
-            if static is None:
+            if static is None or res_fn is None:
                 problem = f"its grad_fn raised {type(error).__name__}: {error}"
             else:
-                # The residuals' avals: the outputs of the residual jaxpr.
-                res_avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in res_fn.jaxpr.outvars]
+                # The residuals' avals (weak types kept): the outputs of the residual jaxpr.
+                res_avals = [compat.aval_struct(v.aval) for v in res_fn.jaxpr.outvars]
                 reason = cl.forward_problem(static, res_avals, box[-1][1])
                 if reason is not None:
                     problem = f"its grad_fn is not linear in the upstream gradients: {reason}"
