@@ -5,7 +5,9 @@ differences in float64, hand-derived formulas, or JAX autodiff of the plain
 function where that is correct.
 """
 
+import dataclasses
 import doctest
+import math
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +16,7 @@ import pytest
 from jax import lax
 
 import gradkit as gk
+from gradkit._src import compat
 from gradkit._src import custom_gradient as cg_module
 
 from gradkit import custom_gradient, custom_jvp
@@ -392,8 +395,10 @@ def test_grad_fn_errors_wait_until_differentiation():
     x = jnp.array([1.5, -0.5])
     np.testing.assert_array_equal(no_gradient(x), [1.0, -1.0])  # the forward is fine
     np.testing.assert_array_equal(jax.jit(no_gradient)(x), [1.0, -1.0])
-    _raises(r"no_gradient.*NotImplementedError: no gradient for this op",
-            jax.grad(lambda v: jnp.sum(no_gradient(v))), x)
+    for transform in (jax.grad, jax.jacfwd):  # forward mode reports the same error
+        with pytest.raises(NotImplementedError, match="no gradient for this op") as info:
+            transform(lambda v: jnp.sum(no_gradient(v)))(x)
+        assert "[gradkit] raised in the grad_fn of custom_gradient function 'no_gradient'" in _notes(info.value)
 
 
 def test_forward_is_traced_once_per_signature():
@@ -458,19 +463,19 @@ def test_own_rule_serves_another_op(maybe_jit):
     def softplus_naive(x):
         return jnp.log1p(jnp.exp(x))
 
-    assert isinstance(log1pexp.rule, gk.Rule) and log1pexp.rule.mode == "vjp"
     x = jnp.array([-3.0, 0.0, 2.0, 100.0])
+    assert isinstance(log1pexp.rule, gk.Rule) and log1pexp.rule.mode == "jvp"  # grad_fn transposed: both modes
     f = gk.override(lambda v: jnp.sum(softplus_naive(v)), {"softplus_naive": log1pexp.rule})
+    np.testing.assert_allclose(maybe_jit(jax.jacfwd(f))(x), jax.nn.sigmoid(x), rtol=1e-6)
     np.testing.assert_allclose(maybe_jit(jax.grad(f))(x), jax.nn.sigmoid(x), rtol=1e-6)
 
-    @custom_gradient(mode="both")
-    def log1pexp_both(x):
+    @custom_gradient(mode="vjp")
+    def log1pexp_vjp(x):
         e = jnp.exp(x)
         return jnp.log1p(e), lambda g: g * (1 - 1 / (1 + e))
 
-    assert log1pexp_both.rule.mode == "jvp"  # a forward rule: the table's op gets both modes
-    f = gk.override(lambda v: jnp.sum(softplus_naive(v)), {"softplus_naive": log1pexp_both.rule})
-    np.testing.assert_allclose(maybe_jit(jax.jacfwd(f))(x), jax.nn.sigmoid(x), rtol=1e-6)
+    assert log1pexp_vjp.rule.mode == "vjp"  # a reverse-mode rule, for any grad_fn
+    f = gk.override(lambda v: jnp.sum(softplus_naive(v)), {"softplus_naive": log1pexp_vjp.rule})
     np.testing.assert_allclose(maybe_jit(jax.grad(f))(x), jax.nn.sigmoid(x), rtol=1e-6)
 
     @gk.op("argmax_value")
@@ -498,6 +503,11 @@ def test_rule_of_a_multi_input_function_in_a_table():
 
 
 # --------------------------------------------------------------------------- errors
+
+
+def _notes(e):
+    """An exception's notes (Python 3.11+), or its message where notes are appended to it."""
+    return "\n".join(getattr(e, "__notes__", [])) or str(e)
 
 
 def _raises(match, fn, *args):
@@ -541,7 +551,7 @@ def test_error_wrong_shape_and_structure():
 def test_error_complex_gradient_for_real_input():
     @custom_gradient
     def cplx(x):
-        return x, lambda g: g * (1 + 1j)
+        return x, lambda g: lax.complex(g, g)
 
     assert "complex" in _raises("cplx", jax.grad(cplx), 1.0)
 
@@ -577,7 +587,11 @@ def test_error_inside_grad_fn_names_the_function():
 
         return x, grad
 
-    _raises(r"branchy.*grad_fn raised", jax.grad(branchy), 1.0)
+    with pytest.raises(jax.errors.TracerBoolConversionError) as info:  # the user's error keeps its type
+        jax.grad(branchy)(1.0)
+    note = _notes(info.value)
+    assert "[gradkit] raised in the grad_fn of custom_gradient function 'branchy'" in note
+    assert "jnp.where" in note
 
 
 def test_error_bad_arguments_and_options():
@@ -678,18 +692,163 @@ def test_mode_both_under_vmap_and_override(maybe_jit):
         jax.jacfwd(f)(1.0))
 
 
-def test_mode_both_rejects_a_nonlinear_grad_fn():
-    @custom_gradient(mode="both")
-    def clipped(x):
-        return x, lambda g: jnp.clip(g, -1.0, 1.0)
+# Each grad_fn below is not linear in upstream: reverse mode must use it as written, forward mode must refuse.
+NONLINEAR = {
+    "clips": (lambda x, g: jnp.clip(g, -1.0, 1.0) * x, "JAX cannot transpose it"),
+    "branches": (lambda x, g: jnp.where(g > 0, g, 0.5 * g) * x, "non-float"),
+    "squares": (lambda x, g: g * g * x, "JAX cannot transpose it"),
+    "adds_a_constant": (lambda x, g: g * x + 1.0, "does not depend on upstream"),
+    "is_constant": (lambda x, g: jnp.ones_like(x), "does not depend on upstream"),
+    "rounds": (lambda x, g: jnp.round(g * 4.0) * x, "JAX cannot transpose it"),
+}
 
-    _raises(r"clipped.*mode='both'.*linear", jax.jacfwd(clipped), 1.0)
-    _raises(r"clipped.*mode='both'.*linear", jax.grad(clipped), 1.0)  # reverse mode goes through it too
+
+def _nonlinear(kind, mode="both"):
+    grad = NONLINEAR[kind][0]
+
+    @custom_gradient(name=kind, mode=mode)
+    def f(x):
+        return jnp.sin(x), lambda g: grad(x, g)
+
+    return f
 
 
-def test_mode_vjp_refuses_forward_mode_like_custom_vjp():
-    with pytest.raises(TypeError, match="forward-mode"):
-        jax.jacfwd(log1pexp)(1.0)
+@pytest.mark.parametrize("kind", sorted(NONLINEAR))
+def test_nonlinear_grad_fn_keeps_reverse_mode_and_refuses_forward_mode(kind, maybe_jit):
+    f, f_vjp = _nonlinear(kind), _nonlinear(kind, mode="vjp")
+    x = jnp.array([0.5, -2.0, 3.0])
+    upstream = jnp.array([0.25, -3.0, 1.7])
+    # Reverse mode: exactly grad_fn(upstream), as with mode="vjp" (and as before forward mode existed).
+    want = NONLINEAR[kind][0](x, upstream)
+    got = maybe_jit(lambda v, u: jax.vjp(f, v)[1](u)[0])(x, upstream)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got, maybe_jit(lambda v, u: jax.vjp(f_vjp, v)[1](u)[0])(x, upstream))
+    # Forward mode: a [gradkit] error naming the function and why.
+    for fwd in (lambda v: jax.jvp(f, (v,), (v,)), jax.jacfwd(f), jax.hessian(lambda v: jnp.sum(f(v)))):
+        msg = _raises(rf"{kind}.*forward mode", maybe_jit(fwd), x)
+        assert "not linear in the upstream gradients" in msg and NONLINEAR[kind][1] in msg
+        assert "gk.custom_jvp" in msg and "test_custom_gradient.py" in msg
+
+
+def test_forward_mode_applied_inside_jit_names_the_function():
+    # jax.jvp inside an enclosing jit: JAX itself would only fail when compiling the outer jit.
+    f = _nonlinear("clips")
+    _raises("clips.*forward mode", jax.jit(lambda v: jax.jvp(f, (v,), (v,))), jnp.ones(2))
+    # Forward mode of a jit that was traced first reaches only the compiled program: JAX's own error.
+    with pytest.raises((TypeError, gk.GradkitError), match="custom_vjp|forward mode"):
+        jax.jvp(jax.jit(f), (jnp.ones(2),), (jnp.ones(2),))
+
+
+# Linear grad_fns written in common ways: each must serve forward mode (no false "not linear").
+LINEAR = {
+    "where_zero": lambda x, g: jnp.where(x > 0, g, 0.0) * jnp.cos(x),
+    "scatter_into_zeros": lambda x, g: jnp.zeros_like(x).at[jnp.argmax(x)].set(jnp.sum(g)),
+    "pad_and_slice": lambda x, g: jnp.pad(g[1:], (1, 0)) * 2.0,
+    "concatenate_zeros": lambda x, g: jnp.concatenate([g[:1] * 3.0, jnp.zeros(2, g.dtype)]),
+    "library_function": lambda x, g: g * jax.nn.sigmoid(x),
+    "cond_on_primal": lambda x, g: lax.cond(jnp.sum(x) > 0, lambda u: u * 2.0, lambda u: -u, g),
+    "scan_over_upstream": lambda x, g: lax.scan(lambda c, u: (c + u, c + u), 0.0, g)[1],
+    "minus": lambda x, g: -g - g * x,
+}
+
+
+@pytest.mark.parametrize("kind", sorted(LINEAR))
+def test_linear_grad_fns_serve_forward_mode(kind, x64, maybe_jit):
+    grad = LINEAR[kind]
+
+    @custom_gradient(name=kind)
+    def f(x):
+        return jnp.sin(x), lambda g: grad(x, g)
+
+    x = np.array([0.5, -2.0, 3.0])
+    jr = maybe_jit(jax.jacrev(f))(x)
+    np.testing.assert_allclose(jr, jax.vmap(lambda u: grad(x, u))(np.eye(3)), rtol=1e-14)  # rows: grad_fn(e_i)
+    try:  # whether this JAX transposes it (jax 0.8 does not transpose a scan)
+        jax.linear_transpose(lambda u: grad(x, u), x)(x)
+    except Exception:
+        _raises(f"{kind}.*forward mode.*JAX cannot transpose it", maybe_jit(jax.jacfwd(f)), x)
+        return
+    np.testing.assert_allclose(maybe_jit(jax.jacfwd(f))(x), jr, rtol=1e-14)
+
+
+def test_mode_vjp_is_reverse_only():
+    @custom_gradient(mode="vjp")
+    def cube(x):
+        return x**3, lambda g: g * 3 * x**2
+
+    assert float(jax.grad(cube)(2.0)) == 12.0
+    msg = _raises(r"cube.*forward mode.*mode='vjp'", jax.jacfwd(cube), 2.0)
+    assert "jax.grad" in msg
+    _raises(r"cube.*forward mode", lambda: jax.jvp(cube, (2.0,), (1.0,)))
+    _raises("mode must be 'both' \\(the default\\) or 'vjp'", lambda: custom_gradient(mode="jvp"))
+
+
+def test_mode_both_is_the_default():
+    def f(x):
+        return jnp.sin(x), lambda g: g * jnp.cos(x)
+
+    default, both, vjp = custom_gradient(f), custom_gradient(mode="both")(f), custom_gradient(mode="vjp")(f)
+
+    def prims(g):
+        inner = jax.make_jaxpr(g)(1.0).jaxpr.eqns[0].params["jaxpr"]
+        return [e.primitive.name for e in compat.jaxpr_parts(inner)[0].eqns]
+
+    assert prims(default) == prims(both) == ["custom_jvp_call"]
+    assert prims(vjp) == ["custom_vjp_call"] or prims(vjp) == ["custom_vjp_call_jaxpr"]
+
+
+@custom_gradient
+def twice_identity(x):
+    # A gradient that is not the true one (TensorFlow's forward-accumulator test): forward mode must use it.
+    return x, lambda g: g * 2.0
+
+
+def test_forward_mode_by_default_uses_grad_fn(x64, maybe_jit):
+    x = np.array([0.3, -1.2])
+    out, tan = maybe_jit(lambda v, t: jax.jvp(twice_identity, (v,), (t,)))(x, np.array([1.0, 5.0]))
+    np.testing.assert_array_equal(out, x)
+    np.testing.assert_array_equal(tan, [2.0, 10.0])
+    # The seed examples: forward mode against JAX's autodiff of the plain functions and finite differences.
+    xs = np.array([-3.0, 0.5, 2.0])
+    np.testing.assert_allclose(maybe_jit(jax.jacfwd(log1pexp))(xs), np.diag(1 / (1 + np.exp(-xs))), rtol=1e-12)
+    np.testing.assert_allclose(maybe_jit(jax.hessian(lambda v: jnp.sum(log1pexp(v))))(xs),
+                               jax.hessian(lambda v: jnp.sum(jnp.log1p(jnp.exp(v))))(xs), rtol=1e-12)
+    jb = maybe_jit(jax.jacfwd(bar, argnums=(0, 1)))(2.0, 3.0)
+    assert (float(jb[0]), float(jb[1])) == (3.0, 2.0)
+    a, b = np.array([0.7, 1.3]), np.array([2.0, -0.4])
+    jz = maybe_jit(jax.jacfwd(lambda u: jnp.concatenate(complex_op(u[:2], u[2:]))))(np.concatenate([a, b]))
+    plain = lambda u: np.concatenate([u[:2] * u[2:] + np.sin(u[:2]), u[:2] / u[2:]])
+    np.testing.assert_allclose(jz, fd_jac(plain, np.concatenate([a, b])), rtol=1e-7, atol=1e-9)
+    rows = np.array([[0.1, 0.9, 0.3], [1.2, 0.4, 0.2]])
+    jt = maybe_jit(jax.vmap(jax.jacfwd(take_max)))(rows)
+    np.testing.assert_allclose(jt, maybe_jit(jax.vmap(jax.grad(take_max)))(rows), rtol=1e-12)
+
+
+def test_reverse_mode_of_the_default_matches_mode_vjp(x64, maybe_jit):
+    def make(mode):
+        @custom_gradient(mode=mode)
+        def layer(w, x):
+            h = jnp.tanh(x @ w)
+
+            def grad(g):
+                d = g * (1 - h**2)
+                return x.T @ d, d @ w.T
+
+            return h, grad
+
+        return layer
+
+    rng = np.random.default_rng(0)
+    w, x = rng.normal(size=(4, 3)), rng.normal(size=(5, 4))
+    loss = lambda layer: lambda w, x: jnp.sum(jnp.sin(layer(w, x)))
+    g_both = maybe_jit(jax.grad(loss(make("both")), argnums=(0, 1)))(w, x)
+    g_vjp = maybe_jit(jax.grad(loss(make("vjp")), argnums=(0, 1)))(w, x)
+    g_ref = jax.grad(lambda w, x: jnp.sum(jnp.sin(jnp.tanh(x @ w))), argnums=(0, 1))(w, x)
+    for a, b, c in zip(g_both, g_vjp, g_ref):
+        np.testing.assert_allclose(a, b, rtol=1e-13)
+        np.testing.assert_allclose(a, c, rtol=1e-12)
+    jf = maybe_jit(jax.jacfwd(make("both"), argnums=0))(w, x)
+    np.testing.assert_allclose(jf, jax.jacfwd(lambda w: jnp.tanh(x @ w))(w), rtol=1e-12)
 
 
 @custom_jvp
@@ -763,6 +922,194 @@ def test_custom_jvp_errors():
         return jnp.sum(x), lambda t: t  # tangent not reduced
 
     assert "shape (3,), expected ()" in _raises("wrong_shape", jax.jvp, wrong_shape, (jnp.ones(3),), (jnp.ones(3),))
+
+
+# --------------------------------------------------------------------------- methods
+
+
+class Scaled:
+    """A plain object: `self` is keyed by identity and its arrays are closed over."""
+
+    def __init__(self, scale):
+        self.scale = scale
+
+    @custom_gradient
+    def mul(self, a, b):
+        s = self.scale
+        return a * b * s, lambda g: (g * b * s, g * a * s)
+
+    @custom_gradient
+    def power(self, x, n, *, shift=0.0):
+        y = (x + shift) ** n * self.scale
+        return y, lambda g: (g * n * (x + shift) ** (n - 1) * self.scale, None)
+
+    @custom_jvp
+    def mul_jvp(self, a, b):
+        return a * b * self.scale, lambda ta, tb: (ta * b + a * tb) * self.scale
+
+
+@jax.tree_util.register_pytree_node_class
+class PScaled:
+    """A pytree: its arrays are passed in at each call, so instances share one trace."""
+
+    traces = 0
+
+    def __init__(self, scale):
+        self.scale = scale
+
+    def tree_flatten(self):
+        return (self.scale,), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children)
+
+    @custom_gradient
+    def mul(self, a, b):
+        PScaled.traces += 1
+        s = self.scale
+        return a * b * s, lambda g: (g * b * s, g * a * s)
+
+
+def test_method_binds_self_first(x64, maybe_jit):
+    m = Scaled(jnp.float64(1.5))
+    a, b = np.array([0.5, -2.0]), np.array([3.0, 0.25])
+    plain = lambda a, b: jnp.sum(a * b * 1.5)
+    want = jax.grad(plain, argnums=(0, 1))(a, b)
+    for f in (lambda a, b: m.mul(a, b), lambda a, b: Scaled.mul(m, a, b)):
+        got = maybe_jit(jax.grad(lambda a, b: jnp.sum(f(a, b)), argnums=(0, 1)))(a, b)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-15)
+        jf = maybe_jit(jax.jacfwd(f, argnums=1))(a, b)
+        np.testing.assert_allclose(jf, np.diag(a * 1.5), rtol=1e-15)
+    fd = fd_grad(lambda a, b: np.sum(a * b * 1.5), [a, b])
+    np.testing.assert_allclose(want[0], fd[0], rtol=1e-8)
+    # Statics and keywords after self; another instance is another trace with its own values.
+    x = np.array([1.0, 2.0])
+    g3 = maybe_jit(jax.grad(lambda v: jnp.sum(m.power(v, 3, shift=1.0))))(x)
+    np.testing.assert_allclose(g3, 3 * (x + 1) ** 2 * 1.5, rtol=1e-15)
+    m2 = Scaled(jnp.float64(-2.0))
+    np.testing.assert_allclose(maybe_jit(jax.grad(lambda a: jnp.sum(m2.mul(a, b))))(a), b * -2.0, rtol=1e-15)
+    # custom_jvp methods get tangents for the arguments after self.
+    _, t = maybe_jit(lambda a, b: jax.jvp(m.mul_jvp, (a, b), (b, a)))(a, b)
+    np.testing.assert_allclose(t, (b * b + a * a) * 1.5, rtol=1e-15)
+    np.testing.assert_allclose(maybe_jit(jax.grad(lambda a: jnp.sum(m.mul_jvp(a, b))))(a), b * 1.5, rtol=1e-15)
+
+
+def test_pytree_self_is_passed_in_and_closed_over(maybe_jit):
+    a, b = jnp.array([0.5, -2.0]), jnp.array([3.0, 0.25])
+    loss = maybe_jit(lambda m, a: jnp.sum(m.mul(a, b)))
+    seen = []
+    for scale in (1.5, -4.0, 0.25):  # same structure: one trace, each call with its own scale
+        m = PScaled(jnp.float32(scale))
+        np.testing.assert_allclose(jax.grad(loss, argnums=1)(m, a), b * scale, rtol=1e-6)
+        np.testing.assert_allclose(loss(m, a), np.sum(np.asarray(a) * np.asarray(b) * scale), rtol=1e-6)
+        seen.append(PScaled.traces)
+    assert seen[0] == seen[-1]  # the later instances reused the first one's trace
+    msg = _raises(r"mul.*closes over a traced value.*or holds one in `self`",
+                  jax.grad(lambda m: jnp.sum(m.mul(a, b))), PScaled(jnp.float32(2.0)))
+    assert "stop_gradient" in msg
+
+
+def test_method_errors():
+    class Three:
+        @custom_gradient
+        def mul(self, a, b):
+            return a * b, lambda g: (None, g * b, g * a)  # a gradient for self too
+
+    assert "returned 3 gradients, expected 2" in _raises("mul", jax.grad(Three().mul), 2.0, 3.0)
+
+    @dataclasses.dataclass
+    class Unhashable:  # eq=True without frozen: no __hash__, and not a pytree
+        s: float
+
+        @custom_gradient
+        def mul(self, a):
+            return a * self.s, lambda g: g * self.s
+
+    assert "`self` is keyed by its hash" in _raises("unhashable", Unhashable(2.0).mul, jnp.ones(2))
+
+    def outside(self, a):  # a method assigned after the class was made: bound by the name `self`
+        return a * self.k, lambda g: g * self.k
+
+    class Late:
+        k = 3.0
+
+    Late.mul = custom_gradient(outside)
+    assert float(jax.grad(Late().mul)(1.0)) == 3.0
+
+    @custom_gradient
+    def two_for_three(x, y, z):
+        return x * y * z, lambda g: (g, g)
+
+    msg = _raises("returned 2 gradients, expected 3", jax.grad(two_for_three), 1.0, 2.0, 3.0)
+    assert "`self`" not in msg  # the hint is only for one extra gradient
+
+
+# --------------------------------------------------------------------------- user errors keep their type
+
+
+def test_exceptions_in_grad_fn_and_jvp_fn_keep_their_type(maybe_jit):
+    @custom_gradient
+    def boom(x):
+        def grad(g):
+            raise RuntimeError("grad_fn exploded")
+
+        return x * 2.0, grad
+
+    @custom_jvp
+    def boom_jvp(x):
+        def jvp_fn(t):
+            raise ValueError("jvp_fn exploded")
+
+        return x * 2.0, jvp_fn
+
+    x = jnp.array([1.0, 2.0])
+    np.testing.assert_array_equal(maybe_jit(boom)(x), [2.0, 4.0])
+    cases = [(RuntimeError, "grad_fn exploded", "grad_fn of custom_gradient function 'boom'", boom),
+             (ValueError, "jvp_fn exploded", "jvp_fn of custom_jvp function 'boom_jvp'", boom_jvp)]
+    for kind, message, note, f in cases:
+        for transform in (jax.grad, jax.jacfwd):
+            with pytest.raises(kind, match=message) as info:
+                maybe_jit(transform(lambda v: jnp.sum(f(v))))(x)
+            assert not isinstance(info.value, gk.GradkitError)
+            assert f"[gradkit] raised in the {note}" in _notes(info.value)
+            assert "test_custom_gradient.py" in _notes(info.value)
+
+    @custom_gradient
+    def none_upstream(x):
+        return x * 2.0, jnp.argmax(x), lambda g, gi: (g + gi,)  # gi is None: integer output
+
+    with pytest.raises(TypeError) as info:
+        jax.grad(lambda v: jnp.sum(none_upstream(v)[0]))(x)
+    assert "None for integer outputs" in _notes(info.value)
+
+
+# --------------------------------------------------------------------------- static-argument cache
+
+
+def test_static_cache_keys_signed_zero_and_nan(maybe_jit):
+    traces = []
+
+    @custom_gradient
+    def signed(x, s):
+        traces.append(s)
+        sign = math.copysign(1.0, s)
+        return x * sign, lambda g: (g * sign, None)
+
+    x = jnp.array([1.0, -2.0])
+    np.testing.assert_array_equal(signed(x, 0.0), x)
+    per_signature = len(traces)
+    np.testing.assert_array_equal(signed(x, -0.0), -x)  # not the +0.0 program
+    assert len(traces) == 2 * per_signature
+    np.testing.assert_array_equal(maybe_jit(jax.grad(lambda v: jnp.sum(signed(v, -0.0))))(x), [-1.0, -1.0])
+    np.testing.assert_array_equal(maybe_jit(jax.grad(lambda v: jnp.sum(signed(v, 0.0))))(x), [1.0, 1.0])
+    n = len(traces)
+    for _ in range(3):
+        np.testing.assert_array_equal(signed(x, float("nan")), x)  # copysign(1, nan) = 1
+    assert len(traces) == n + per_signature  # every NaN hits one entry
+    signed(x, 0.0), signed(x, -0.0), signed(x, float("nan"))
+    assert len(traces) == n + per_signature
 
 
 # --------------------------------------------------------------------------- docs

@@ -1,5 +1,8 @@
 """Named ops: composite functions as one equation a table can target."""
 
+import gc
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,6 +10,7 @@ import pytest
 from jax import lax
 
 import gradkit as gk
+from gradkit._src import named
 
 
 @gk.op("log1pexp")
@@ -117,3 +121,81 @@ def test_bad_names():
             gk.op(bad)
     with pytest.raises(gk.GradkitError, match="decorates a function"):
         gk.op("x")(3)
+
+
+def test_static_keywords_key_signed_zero_and_nan():
+    traces = []
+
+    @gk.op("signed")
+    def signed(x, *, s):
+        traces.append(s)
+        return x * math.copysign(1.0, s)
+
+    x = jnp.array([1.0, -2.0])
+    np.testing.assert_array_equal(signed(x, s=0.0), x)
+    np.testing.assert_array_equal(signed(x, s=-0.0), -x)  # its own program, not the +0.0 one
+    assert len(traces) == 2
+    for _ in range(3):
+        signed(x, s=float("nan"))
+    assert len(traces) == 3  # every NaN hits one entry
+    np.testing.assert_array_equal(jax.grad(lambda v: jnp.sum(signed(v, s=-0.0)))(x), [-1.0, -1.0])
+    assert len(traces) == 3
+
+
+def test_signature_rebuilds_arguments_and_outputs():
+    @gk.op("affine2")
+    def affine2(params, x, mode, *, scale=1.0):
+        return {"y": params["w"] * x * scale, "mode": jnp.int32(len(mode))}
+
+    params, x = {"w": jnp.float32(2.0)}, jnp.float32(3.0)
+    jaxpr = jax.make_jaxpr(lambda p, v: affine2(p, v, "ab", scale=0.5))(params, x)
+    eqn = jaxpr.jaxpr.eqns[0]
+    sig = named.lookup(eqn.params["name"])
+    assert sig.name == "affine2" and sig.kwargs == {"scale": 0.5}
+    rebuilt = sig.args(["W", "X"])  # one value per jit input, statics in place
+    assert rebuilt == ({"w": "W"}, "X", "ab")
+    assert sig.outputs(["Y", "M"]) == {"mode": "Y", "y": "M"} or sig.outputs(["Y", "M"]) == {"y": "Y", "mode": "M"}
+    assert len(eqn.invars) == 2 and len(eqn.outvars) == 2
+    assert sig.dynamic(["W", "X", "ab"]) == ["W", "X"]
+
+
+def test_registry_is_weak_and_bounded():
+    gc.collect()
+    before = len(named._REGISTRY)
+    x = jnp.ones(2)
+    for i in range(150):  # decorated on the fly, one signature each, then dropped
+        f = gk.op("on_the_fly")(lambda v, *, k: v * k)
+        f(x, k=float(i))
+        g = gk.custom_gradient(lambda v, k: (v * k, lambda u: (u * k, None)))
+        g(x, float(i))
+    del f, g
+    gc.collect()
+    assert len(named._REGISTRY) <= before + named._RECENT.maxlen
+    # A live function keeps its signatures registered, however many others come and go.
+    live = gk.op("live")(lambda v, *, k: v * k)
+    name = jax.make_jaxpr(lambda v: live(v, k=2.0))(x).jaxpr.eqns[0].params["name"]
+    for i in range(named._RECENT.maxlen + 10):
+        gk.op("churn")(lambda v: v)(x + i)
+    gc.collect()
+    assert named.lookup(name) is not None and named.lookup(name).kwargs == {"k": 2.0}
+
+
+def test_op_decorated_inside_the_overridden_function(maybe_jit):
+    # The decorated function is dropped once the program is traced; the table still sees its signature.
+    def loss(x):
+        @gk.op("inner_op")
+        def inner_op(v, tag, *, k):
+            return v * k
+
+        return jnp.sum(inner_op(x, "tag", k=2.0))
+
+    seen = {}
+
+    def rule(op, g):
+        seen["inputs"], seen["params"] = op.inputs, dict(op.params)
+        return (g * 10.0, None)
+
+    f = gk.override(loss, {"inner_op": gk.vjp_rule(rule)})
+    x = jnp.array([1.0, 2.0])
+    np.testing.assert_array_equal(maybe_jit(jax.grad(f))(x), [10.0, 10.0])
+    assert seen["inputs"][1] == "tag" and seen["params"] == {"k": 2.0}

@@ -648,3 +648,39 @@ def call_equation(fn: Callable[..., Sequence[Any]], invars: Sequence[Any], outva
         raise GradkitError("internal: tracing a jitted function did not give one self-contained equation; "
                            "please report this with the function that triggered it.")
     return core.eqns[0].replace(invars=list(invars), outvars=list(outvars), source_info=like.source_info)
+# --------------------------------------------------------------------------- custom_gradient (closure conversion)
+#
+# Used by gradkit/_src/closure.py and custom_gradient.py only.
+
+
+def detach_consts(closed: Any) -> tuple[Jaxpr, list[Any]]:
+    """``(open jaxpr taking the consts as its leading inputs, the consts)``.
+
+    Since jax 0.11 a jaxpr carries its consts: keeping the open one is what
+    drops the references to them (tracers of the trace that made them).
+    """
+    from jax._src.interpreters import partial_eval as pe
+
+    jaxpr, consts = jaxpr_parts(closed)
+    return pe.convert_constvars_jaxpr(jaxpr), consts
+
+
+def eval_open(jaxpr: Jaxpr, args: Sequence[Any]) -> list[Any]:
+    """Evaluates an open jaxpr (no constvars) on ``args`` in the current trace."""
+    return list(jex_core.jaxpr_as_fun(ClosedJaxpr(jaxpr, []))(*args))
+
+
+def is_forward_mode_tracer(x: Any) -> bool:
+    """Whether ``x`` carries a forward-mode (``jax.jvp``) tangent.
+
+    Reverse mode traces with linearize tracers (``jax_use_direct_linearize``,
+    the default since jax 0.5), or with JVP tracers whose tangents are
+    partial-evaluation tracers (the older linearize): neither counts.
+    """
+    from jax._src.interpreters import ad
+    from jax._src.interpreters import partial_eval as pe
+
+    if not isinstance(x, ad.JVPTracer):
+        return False
+    tangent = x.tangent
+    return not isinstance(tangent, (ad.Zero, pe.JaxprTracer))

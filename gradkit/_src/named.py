@@ -3,20 +3,28 @@
 ``gk.op("log1pexp")(fn)`` wraps ``fn`` in ``jax.jit`` under a reserved name, so
 the traced program holds a single ``jit`` equation for each call. Unmatched,
 it is exactly ``jax.jit(fn)``: same values, same gradients.
+
+Each call signature (argument structure, static values, keyword arguments)
+of a named op is one :class:`Signature`, registered under the ``jit`` name
+it traces to, so the dispatcher can rebuild a rule's ``op.inputs`` and
+``op.outputs`` from the equation's flat values. ``gk.custom_gradient``
+functions are named ops too and use the same class.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import itertools
 import threading
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import jax
-import numpy as np
 
+from gradkit._src import args as args_lib
 from gradkit._src import compat
 from gradkit._src.errors import GradkitError
 
@@ -26,38 +34,81 @@ _counter = itertools.count()
 _lock = threading.Lock()
 
 
-@dataclasses.dataclass
-class _Instance:
-    """One (function, argument structure, static values) of a named op."""
+@dataclasses.dataclass(eq=False)
+class Signature:
+    """One call signature of a named op.
+
+    Attributes:
+      name: the op name tables use.
+      split: the positional arguments (a tuple) split into dynamic leaves,
+        which become the ``jit`` equation's inputs, and static ones.
+      kwargs: the keyword arguments (all static).
+      out_tree: the output structure, set when the op is traced.
+      jit_name: the name of the ``jit`` equation, set by :func:`register`.
+    """
 
     name: str
-    in_tree: Any
-    dyn_positions: tuple[int, ...]
-    static_leaves: tuple[Any, ...]
+    split: args_lib.Split
     kwargs: dict[str, Any]
     out_tree: Any = None
+    jit_name: str = ""
 
-    def args(self, dyn: list[Any]) -> tuple[Any, ...]:
-        leaves = list(self.static_leaves)
-        for pos, x in zip(self.dyn_positions, dyn):
-            leaves[pos] = x
-        return jax.tree_util.tree_unflatten(self.in_tree, leaves)
+    @classmethod
+    def of(cls, name: str, call_args: Sequence[Any], kwargs: dict[str, Any],
+           dynamic: Callable[[Any], bool] = args_lib.array_or_number) -> tuple[Signature, list[Any]]:
+        """The signature of a call and its dynamic leaves (those where ``dynamic`` holds)."""
+        split, dyn = args_lib.partition(tuple(call_args), dynamic)
+        return cls(name, split, dict(kwargs)), dyn
 
-    def outputs(self, flat_out: list[Any]) -> Any:
-        return jax.tree_util.tree_unflatten(self.out_tree, flat_out)
+    @functools.cached_property
+    def key(self) -> Any:
+        """Hashable cache key (:func:`args.static_key` for every static value); ``TypeError`` if unhashable."""
+        kw_leaves, kw_tree = jax.tree_util.tree_flatten(self.kwargs)
+        return (self.split.key, kw_tree, tuple(args_lib.static_key(x) for x in kw_leaves))
+
+    def args(self, dyn: Sequence[Any]) -> tuple[Any, ...]:
+        """The positional arguments, with ``dyn`` (one value per ``jit`` input) at the dynamic leaves."""
+        return tuple(self.split.combine(list(dyn)))
+
+    def outputs(self, flat: Sequence[Any]) -> Any:
+        """The structured outputs from one value per ``jit`` output."""
+        return jax.tree_util.tree_unflatten(self.out_tree, list(flat))
+
+    def dynamic(self, per_leaf: Sequence[Any]) -> list[Any]:
+        """From one value per leaf of :meth:`args` (statics included), those of the ``jit`` inputs."""
+        return [per_leaf[i] for i in self.split.dyn_pos]
 
 
-# jit name -> instance. Keeps what a rule needs to rebuild the op's arguments.
-_REGISTRY: dict[str, _Instance] = {}
+# jit name -> signature. Weak: an entry lives while its decorated function
+# (whose per-signature cache holds it) or a traced program (custom_gradient's
+# rules hold theirs) does, so functions decorated on the fly do not pile up.
+# The last 128 also stay alive here, for a function decorated inside
+# a traced function and dropped before the dispatcher reads the program.
+_REGISTRY: weakref.WeakValueDictionary[str, Signature] = weakref.WeakValueDictionary()
+_RECENT: collections.deque[Signature] = collections.deque(maxlen=128)
 
 
-def lookup(jit_name: str) -> _Instance | None:
+def lookup(jit_name: str) -> Signature | None:
     return _REGISTRY.get(jit_name)
 
 
-def is_dynamic(x: Any) -> bool:
-    """Arrays (JAX, NumPy) and Python numbers are traced; everything else is static."""
-    return isinstance(x, (jax.Array, np.ndarray, np.generic, compat.Tracer, bool, int, float, complex))
+def register(sig: Signature) -> None:
+    """Gives ``sig`` a fresh ``jit`` name and registers it."""
+    with _lock:
+        sig.jit_name = f"{compat.NAMED_OP_PREFIX}{next(_counter)}:{sig.name}"
+        _REGISTRY[sig.jit_name] = sig
+        _RECENT.append(sig)
+
+
+def compile_op(sig: Signature, body: Callable[[list[Any]], Any]) -> Callable[..., list[Any]]:
+    """``jax.jit`` of ``body`` (dynamic leaves -> outputs) under ``sig``'s jit name; flat outputs."""
+
+    def flat_body(*dyn: Any) -> list[Any]:
+        flat, sig.out_tree = jax.tree_util.tree_flatten(body(list(dyn)))
+        return flat
+
+    flat_body.__name__ = flat_body.__qualname__ = sig.jit_name
+    return jax.jit(flat_body)
 
 
 def op(name: str) -> Callable[[F], F]:
@@ -89,26 +140,18 @@ def op(name: str) -> Callable[[F], F]:
     def decorate(fn: F) -> F:
         if not callable(fn):
             raise GradkitError(f"gk.op({name!r}) decorates a function, got {type(fn).__name__}.")
-        jitted: dict[Any, tuple[_Instance, Callable[..., Any]]] = {}
+        jitted: dict[Any, tuple[Signature, Callable[..., Any]]] = {}
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            leaves, in_tree = jax.tree_util.tree_flatten(args)
-            dyn_positions = tuple(i for i, x in enumerate(leaves) if is_dynamic(x))
-            static_leaves = tuple(None if i in dyn_positions else x for i, x in enumerate(leaves))
             for k, v in kwargs.items():
-                if any(is_dynamic(x) and not isinstance(x, (bool, int, float, complex))
-                       for x in jax.tree_util.tree_leaves(v)):
+                if any(args_lib.is_array(x) for x in jax.tree_util.tree_leaves(v)):
                     raise GradkitError(
                         f"named op '{name}' got an array in keyword argument `{k}`; keyword arguments of a "
                         f"named op are static. Pass arrays positionally: {name}(..., {k}).")
+            sig, dyn = Signature.of(name, args, kwargs)
             try:
-                # Static values are keyed with their types: 2, 2.0 and True are equal
-                # in Python but must not share a traced program.
-                kw_leaves, kw_tree = jax.tree_util.tree_flatten(kwargs)
-                key = (in_tree, dyn_positions, tuple((type(x), x) for x in static_leaves), kw_tree,
-                       tuple(_typed(x) for x in kw_leaves))
-                hash(key)
+                key = sig.key
             except TypeError as e:
                 raise GradkitError(
                     f"named op '{name}' got an unhashable static argument ({e}). Non-array arguments are "
@@ -117,12 +160,14 @@ def op(name: str) -> Callable[[F], F]:
             if entry is None:
                 with _lock:
                     entry = jitted.get(key)
-                    if entry is None:
-                        entry = _make_instance(name, fn, in_tree, dyn_positions, static_leaves, dict(kwargs))
-                        jitted[key] = entry
-            inst, call = entry
+                if entry is None:
+                    register(sig)
+                    entry = (sig, compile_op(sig, lambda d, sig=sig: fn(*sig.args(d), **sig.kwargs)))
+                    with _lock:
+                        entry = jitted.setdefault(key, entry)
+            sig, call = entry
             try:
-                flat_out = call(*[leaves[i] for i in dyn_positions])
+                flat_out = call(*dyn)
             except compat.CONCRETIZATION_ERRORS as e:
                 code = getattr(fn, "__code__", None)
                 where = f" ({code.co_filename}:{code.co_firstlineno})" if code is not None else ""
@@ -132,30 +177,9 @@ def op(name: str) -> Callable[[F], F]:
                     "control flow on them fails. Use jnp.where / lax.cond, or pass static values as keyword "
                     "arguments."))
                 raise
-            return inst.outputs(flat_out)
+            return sig.outputs(flat_out)
 
         wrapper.gradkit_op_name = name  # type: ignore[attr-defined]
         return wrapper  # type: ignore[return-value]
 
     return decorate
-
-
-def _typed(x: Any) -> Any:
-    if isinstance(x, float):
-        return (float, x.hex())  # -0.0 and 0.0 differ; all NaNs are one key
-    return (type(x), x)
-
-
-def _make_instance(name: str, fn: Callable[..., Any], in_tree: Any, dyn_positions: tuple[int, ...],
-                   static_leaves: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[_Instance, Callable[..., Any]]:
-    jit_name = f"{compat.NAMED_OP_PREFIX}{next(_counter)}:{name}"
-    inst = _Instance(name, in_tree, dyn_positions, static_leaves, kwargs)
-
-    def body(*dyn: Any) -> list[Any]:
-        out = fn(*inst.args(list(dyn)), **kwargs)
-        flat, inst.out_tree = jax.tree_util.tree_flatten(out)
-        return flat
-
-    body.__name__ = body.__qualname__ = jit_name
-    _REGISTRY[jit_name] = inst
-    return inst, jax.jit(body)
