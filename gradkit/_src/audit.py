@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import linecache
 import math
-import os
 import re
 import textwrap
 from collections.abc import Callable, Sequence
@@ -35,6 +34,7 @@ from gradkit._src import compat
 from gradkit._src.check import fmt, fn_name, is_float, leaf_names, to_f64
 from gradkit._src.errors import GradkitError
 from gradkit._src.replay import Birth, Context, Replay, nonfinite
+from gradkit._src.sourcepath import display_file
 
 __all__ = ["AuditReport", "Finding", "Step", "Fix", "Coverage", "Probe", "audit"]
 
@@ -414,11 +414,7 @@ def _def_source(fn: Any) -> str:
 
 
 def _short(path: str) -> str:
-    try:
-        rel = os.path.relpath(path)
-    except ValueError:
-        return path
-    return rel if not rel.startswith("..") else path
+    return display_file(path)  # relative below the cwd; a Jupyter cell as `cell In[3]`, not its temp file
 
 
 # --------------------------------------------------------------------------- investigation
