@@ -18,10 +18,10 @@ import shutil
 from sphinx.util import logging
 from sphinx.util.nodes import make_refnode
 
+import gradkit  # the installed package (pip install -e ".[docs]"), as users import it
+
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
-
-import gradkit  # noqa: E402  (after the path setup above, which it does not need: gradkit is installed)
 
 project = "gradkit"
 author = "gradkit developers"
