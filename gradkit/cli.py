@@ -22,121 +22,11 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from gradkit._src.cli_inputs import SPEC_HELP, UsageError, materialize, parse_spec
+
+__all__ = ["SPEC_HELP", "UsageError", "build_parser", "main", "parse_spec", "rule_catalog"]
+
 EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
-
-SPEC_HELP = (
-    "DTYPE[SHAPE][:VALUES], e.g. f32[128]:uniform(-1,1), f64[4,3]:normal(0,2), f32[]:100, "
-    "f32[3]:[0,1,2], i32[8]:randint(0,10), bool[8]:bernoulli(0.5). DTYPE is f16, bf16, f32, f64, i32, i64 "
-    "or bool; VALUES is uniform(lo,hi), normal(mean,std), linspace(lo,hi), randint(lo,hi), bernoulli(p), "
-    "zeros, ones, full(v), a number or a list (default: normal(0,1) for floats)")
-
-_DTYPES = {"f16": "float16", "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16",
-           "f32": "float32", "float32": "float32", "f64": "float64", "float64": "float64",
-           "i32": "int32", "int32": "int32", "i64": "int64", "int64": "int64", "bool": "bool"}
-_SPEC = re.compile(r"^\s*(?P<dtype>[a-z0-9]+)\s*\[(?P<shape>[^\]]*)\]\s*(?::\s*(?P<values>.+?))?\s*$")
-_CALL = re.compile(r"^(?P<name>[a-z_]+)\s*(?:\((?P<args>[^()]*)\))?$")
-
-
-class UsageError(Exception):
-    """A bad command line or input declaration: reported as one line, exit code 2."""
-
-
-# --------------------------------------------------------------------------- input specs
-
-
-def parse_spec(spec: str, rng: Any) -> Any:
-    """An example input from ``DTYPE[SHAPE][:VALUES]`` (see ``SPEC_HELP``); a NumPy array."""
-    import numpy as np
-
-    text = spec.strip()
-    if re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|[-+]?inf|nan", text):
-        return np.asarray(float(text), dtype=np.float32)
-    m = _SPEC.match(text)
-    if not m:
-        raise UsageError(f"cannot parse input spec {spec!r}: expected {SPEC_HELP}")
-    dtype_name = _DTYPES.get(m["dtype"])
-    if dtype_name is None:
-        raise UsageError(f"input spec {spec!r}: unknown dtype {m['dtype']!r} (use one of f16, bf16, f32, f64, "
-                         "i32, i64, bool)")
-    try:
-        shape = tuple(int(d) for d in m["shape"].replace(" ", "").split(",") if d != "")
-    except ValueError:
-        raise UsageError(f"input spec {spec!r}: shape [{m['shape']}] must be integers separated by commas, "
-                         "e.g. [4,3] (or [] for a scalar)") from None
-    if any(d < 0 for d in shape):
-        raise UsageError(f"input spec {spec!r}: negative dimension in shape [{m['shape']}]")
-    dtype = _np_dtype(dtype_name)
-    values = (m["values"] or "").strip()
-    size = int(np.prod(shape)) if shape else 1
-    kind = np.dtype(dtype).kind if dtype_name != "bfloat16" else "f"
-    try:
-        if not values:
-            data = (rng.normal(size=shape) if kind == "f" else rng.randint(0, 10, size=shape) if kind == "i"
-                    else rng.uniform(size=shape) > 0.5)
-        elif values.startswith("["):
-            flat = np.asarray(json.loads(values), dtype=np.float64 if kind != "b" else bool).reshape(-1)
-            if flat.size != size:
-                raise UsageError(f"input spec {spec!r}: {flat.size} values given for shape {list(shape)} "
-                                 f"({size} elements)")
-            data = flat.reshape(shape)
-        else:
-            data = _generate(values, shape, kind, rng, spec)
-    except (ValueError, json.JSONDecodeError) as e:
-        raise UsageError(f"input spec {spec!r}: cannot read values {values!r} ({e})") from None
-    return np.asarray(data).astype(dtype)
-
-
-def _np_dtype(name: str) -> Any:
-    import numpy as np
-
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return ml_dtypes.bfloat16
-    return np.dtype(name)
-
-
-def _generate(values: str, shape: tuple[int, ...], kind: str, rng: Any, spec: str) -> Any:
-    import numpy as np
-
-    if re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|[-+]?inf|nan|true|false", values.lower()):
-        v = {"true": 1.0, "false": 0.0}.get(values.lower(), None)
-        return np.full(shape, float(values) if v is None else v)
-    m = _CALL.match(values.lower())
-    if not m:
-        raise UsageError(f"input spec {spec!r}: cannot read values {values!r}: expected {SPEC_HELP}")
-    name = m["name"]
-    args = [float(a) for a in (m["args"] or "").split(",") if a.strip()]
-    need = {"uniform": 2, "normal": 2, "linspace": 2, "randint": 2, "bernoulli": 1, "full": 1, "zeros": 0,
-            "ones": 0}
-    if name not in need:
-        raise UsageError(f"input spec {spec!r}: unknown generator {name!r} (use {', '.join(need)})")
-    if len(args) != need[name]:
-        raise UsageError(f"input spec {spec!r}: {name} takes {need[name]} argument(s), got {len(args)}")
-    size = int(np.prod(shape)) if shape else 1
-    if name == "uniform":
-        return rng.uniform(args[0], args[1], size=shape)
-    if name == "normal":
-        return rng.normal(args[0], args[1], size=shape)
-    if name == "linspace":
-        return np.linspace(args[0], args[1], size).reshape(shape)
-    if name == "randint":
-        return rng.randint(int(args[0]), int(args[1]), size=shape)
-    if name == "bernoulli":
-        return rng.uniform(size=shape) < args[0]
-    if name == "full":
-        return np.full(shape, args[0])
-    return np.zeros(shape) if name == "zeros" else np.ones(shape)
-
-
-def _materialize(value: Any, rng: Any, where: str) -> Any:
-    """An input declared in a file: arrays and numbers as they are, spec strings parsed."""
-    if isinstance(value, str):
-        try:
-            return parse_spec(value, rng)
-        except UsageError as e:
-            raise UsageError(f"{where}: {e}") from None
-    return value
 
 
 # --------------------------------------------------------------------------- loading the user's file
@@ -147,25 +37,41 @@ def _load(path: str) -> Any:
         raise UsageError(f"no such file: {path}")
     if not path.endswith(".py") or os.path.isdir(path):
         raise UsageError(f"{path} is not a Python file (expected FILE.py or FILE.py:FUNC)")
-    name = "_gradkit_target_" + re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
+    name = _module_name(path)
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise UsageError(f"cannot import {path}")
     module = importlib.util.module_from_spec(spec)
+    # Registered before it runs, as `import` does: dataclasses, typing.get_type_hints and pickle look the
+    # module up in sys.modules while the file executes (a @dataclass under `from __future__ import
+    # annotations` fails without it).
+    sys.modules[name] = module
     folder = os.path.dirname(os.path.abspath(path))
     sys.path.insert(0, folder)
     try:
         spec.loader.exec_module(module)
     except SystemExit:
+        sys.modules.pop(name, None)
         raise UsageError(f"{path} called sys.exit() while being imported; guard its script part with "
                          "`if __name__ == '__main__':`") from None
     except Exception as e:
+        sys.modules.pop(name, None)
         line = _user_line(e, path)
         raise UsageError(f"error while importing {path}{line}: {type(e).__name__}: {_first_line(str(e))}") from None
     finally:
         with contextlib.suppress(ValueError):
             sys.path.remove(folder)
     return module
+
+
+def _module_name(path: str) -> str:
+    """A module name for the file that no other loaded module uses (two model.py files may be audited)."""
+    base = "_gradkit_target_" + re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
+    name, k = base, 1
+    while name in sys.modules:
+        k += 1
+        name = f"{base}_{k}"
+    return name
 
 
 def _user_line(e: BaseException, path: str) -> str:
@@ -202,7 +108,7 @@ def _declared(module: Any, path: str) -> dict[str, Any]:
     return out
 
 
-def _targets(args: argparse.Namespace) -> list[tuple[str, Callable[..., Any], tuple[Any, ...]]]:
+def _targets(args: argparse.Namespace, progress: _Progress) -> list[tuple[str, Callable[..., Any], tuple[Any, ...]]]:
     """(label, function, inputs) for every requested target."""
     import numpy as np
 
@@ -221,6 +127,8 @@ def _targets(args: argparse.Namespace) -> list[tuple[str, Callable[..., Any], tu
     out = []
     modules: dict[str, Any] = {}
     for target, path, func in plan:
+        if path not in modules:  # on a terminal only: a usage error after it stays one line in a log
+            progress.step(f"loading {path}…", tty_only=True)
         module = modules.get(path) or _load(path)
         modules[path] = module
         declared = _declared(module, path)
@@ -244,7 +152,7 @@ def _targets(args: argparse.Namespace) -> list[tuple[str, Callable[..., Any], tu
                     decl = decl()
                 if not isinstance(decl, (tuple, list)):
                     decl = (decl,)
-                inputs = tuple(_materialize(v, rng, f"{path}: GRADKIT_INPUTS[{name!r}]") for v in decl)
+                inputs = tuple(materialize(v, rng, f"{path}: GRADKIT_INPUTS[{name!r}]") for v in decl)
             else:
                 params = _params(fn)
                 raise UsageError(f"no inputs for {name}: give --arg SPEC once per parameter ({', '.join(params)}), "
@@ -289,16 +197,13 @@ def _table(spec: str | None) -> tuple[Any, str]:
     tables = _library_tables()
     key = spec.removeprefix("gradkit.tables.").removeprefix("tables.")
     if key not in tables:
-        known = ", ".join(tables) or "none (gradkit.tables is not importable)"
+        known = ", ".join(tables)
         raise UsageError(f"unknown table {spec!r}: give a name from gradkit.tables ({known}) or a .toml file")
     return tables[key], f"gradkit.tables.{key}"
 
 
 def _library_tables() -> dict[str, Any]:
-    try:
-        from gradkit import tables
-    except Exception:
-        return {}
+    from gradkit import tables
     from gradkit._src.table import RuleTable
 
     return {n: v for n, v in vars(tables).items() if isinstance(v, RuleTable) and not n.startswith("_")}
@@ -307,49 +212,78 @@ def _library_tables() -> dict[str, Any]:
 # --------------------------------------------------------------------------- commands
 
 
-def _progress_printer(label: str) -> Callable[[int, int, str], None]:
-    tty = sys.stderr.isatty()
-    state = {"last": -1}
+class _Progress:
+    """Progress on stderr, so stdout stays the report: one rewritten line on a terminal, else a line per step.
 
-    def show(done: int, total: int, what: str) -> None:
-        if tty:
-            end = "\n" if done >= total else ""
-            sys.stderr.write(f"\r[gradkit] sweep {label}: {done}/{total} probes {what[:50]:<50}{end}")
-            sys.stderr.flush()
+    Piped or redirected runs (CI logs, ``| tee``) still show what is running; ``--quiet`` silences it.
+    """
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+        self.tty = sys.stderr.isatty()
+
+    def step(self, message: str, *, tty_only: bool = False) -> None:
+        if self.quiet or (tty_only and not self.tty):
             return
-        pct = 100 * done // max(total, 1)
-        step = pct // 25
-        if step != state["last"]:
-            state["last"] = step
-            sys.stderr.write(f"[gradkit] sweep {label}: {done}/{total} probes\n")
+        if self.tty:
+            sys.stderr.write(f"\r[gradkit] {message}\033[K")
+        else:
+            sys.stderr.write(f"[gradkit] {message}\n")
+        sys.stderr.flush()
+
+    def clear(self) -> None:
+        if self.tty and not self.quiet:
+            sys.stderr.write("\r\033[K")
             sys.stderr.flush()
-    return show
+
+    def sweep(self, label: str) -> Callable[[int, int, str], None] | None:
+        """The ``progress`` callback of ``audit(sweep=True)``: every probe on a terminal, else each quarter."""
+        if self.quiet:
+            return None
+        state = {"last": -1}
+
+        def show(done: int, total: int, what: str) -> None:
+            if self.tty:
+                sys.stderr.write(f"\r[gradkit] sweep {label}: {done}/{total} probes {what[:50]}\033[K")
+                sys.stderr.flush()
+                return
+            step = 4 * done // max(total, 1)
+            if step != state["last"]:
+                state["last"] = step
+                sys.stderr.write(f"[gradkit] sweep {label}: {done}/{total} probes\n")
+                sys.stderr.flush()
+        return show
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
-    targets = _targets(args)
-    table, table_name = _table(args.table)
+    progress = _Progress(args.quiet)
+    try:
+        targets = _targets(args, progress)
+        table, table_name = _table(args.table)
+    finally:  # a usage error then starts its own line on a terminal
+        progress.clear()
     from gradkit._src.audit import audit
     from gradkit._src.errors import GradkitError
 
     reports: list[Any] = []
     errors: list[tuple[str, str]] = []
-    tty = sys.stderr.isatty() and not args.json
     for k, (label, fn, inputs) in enumerate(targets):
-        name = label.rsplit(":", 1)[-1]
-        if tty:
-            sys.stderr.write(f"\r[gradkit] auditing {name} ({k + 1}/{len(targets)})…\033[K")
-            sys.stderr.flush()
+        path, name = label.rsplit(":", 1)
+        progress.step(f"auditing {name} ({k + 1}/{len(targets)})…")
         try:
             rep = audit(fn, *inputs, table=table, fix=not args.no_fix, sweep=args.sweep,
-                        progress=_progress_printer(name) if args.sweep else None)
+                        progress=progress.sweep(name) if args.sweep else None)
             reports.append((label, rep))
         except GradkitError as e:
-            errors.append((label, str(e).removeprefix("[gradkit] ")))
+            msg = str(e).removeprefix("[gradkit] ")
+            # the user's exception it replaced, if any, still knows the line in the file that raised it
+            line = _user_line(e.__context__, path) if e.__context__ is not None else ""
+            errors.append((label, msg + (f" (raised at {path}{line})" if line else "")))
         except Exception as e:  # the user's function failed on these inputs
-            errors.append((label, f"{name} failed on the given inputs: {type(e).__name__}: {_first_line(str(e))}"))
-    if tty:
-        sys.stderr.write("\r\033[K")
+            line = _user_line(e, path)
+            errors.append((label, f"{name} failed on the given inputs: {type(e).__name__}: {_first_line(str(e))}"
+                                  + (f" (raised at {path}{line})" if line else "")))
+    progress.clear()
     findings = sum(1 for _, r in reports if not r.ok)
     if args.json:
         doc = {"gradkit_version": _version(), "table": table_name or None,
@@ -371,9 +305,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
         if errors:
             summary += f", {len(errors)} could not be audited"
         print(summary)
-    if errors:
-        for label, msg in errors:
-            sys.stderr.write(f"[gradkit] {label}: {msg}\n")
+    if errors:  # reported once, in the report above (text or JSON)
         return EXIT_USAGE
     return EXIT_FINDINGS if findings else EXIT_OK
 
@@ -389,29 +321,23 @@ def _version() -> str:
 
 def rule_catalog() -> dict[str, Any]:
     """The ready tables (op, rule kind, what it fixes) and the named rules a config can use."""
-    try:
-        from gradkit import tables
-    except Exception:
-        return {"tables": {}, "library": []}
+    from gradkit import tables
+
     out: dict[str, Any] = {"tables": {}, "library": []}
     for tname, tbl in _library_tables().items():
-        desc = tables.describe(tbl) if hasattr(tables, "describe") else {op: tbl[op].name for op in tbl}
+        desc = tables.describe(tbl)
         rows = []
         for op in sorted(tbl):
             kind, _, what = desc.get(op, "").partition(": ")
             rows.append({"op": op, "rule": kind or tbl[op].name, "mode": tbl[op].mode, "fixes": what or kind})
         out["tables"][f"gradkit.tables.{tname}"] = rows
-    if hasattr(tables, "library"):
-        for name, lr in tables.library().items():
-            sig = lr.signature() if hasattr(lr, "signature") else name
-            out["library"].append({"rule": name, "signature": sig, "doc": (getattr(lr, "doc", "") or "").strip()})
+    for name, lr in tables.library().items():
+        out["library"].append({"rule": name, "signature": lr.signature(), "doc": lr.doc.strip()})
     return out
 
 
 def cmd_rules(args: argparse.Namespace) -> int:
     cat = rule_catalog()
-    if not cat["tables"]:
-        raise UsageError("the rule library (gradkit.tables) is not importable in this installation")
     if args.json:
         print(json.dumps(cat, indent=2))
         return EXIT_OK
@@ -468,12 +394,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     import jax
     import jax.numpy as jnp
 
+    import gradkit.stable as st
     from gradkit._src.audit import audit
 
-    try:
-        import gradkit.stable as st
-    except Exception:
-        raise UsageError("the demo needs gradkit.stable, which is not importable in this installation") from None
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "gradkit_demo.py")
         with open(path, "w") as f:
@@ -504,9 +427,34 @@ def cmd_demo(args: argparse.Namespace) -> int:
             print(report)
         finally:
             os.chdir(cwd)
-    print("\nNext: gradkit audit examples/unstable_losses.py   real-looking losses that break, and their fixes")
-    print("      gradkit rules                                the rule tables and what each rule fixes")
+    example = _example_path()
+    if example is not None:
+        audit_cmd, what = f"gradkit audit {example}", "real-looking losses that break, and their fixes"
+    else:  # installed from a wheel: the examples folder is in the source repository only
+        audit_cmd, what = "gradkit audit model.py:loss --arg 'f32[128]:normal(0,1)'", "your own loss, at inputs you give"
+    width = max(len(audit_cmd), len("gradkit rules")) + 3
+    print(f"\nNext: {audit_cmd:<{width}}{what}")
+    print(f"      {'gradkit rules':<{width}}the rule tables and what each rule fixes")
     return EXIT_OK
+
+
+def _example_path() -> str | None:
+    """The shipped example losses as a path that works from the current directory, if this is a source install.
+
+    Relative when the example is below the current directory (``examples/unstable_losses.py`` in the
+    repository), else absolute; quoted for the shell.
+    """
+    import shlex
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.path.join(root, "examples", "unstable_losses.py")
+    if not os.path.isfile(path):
+        return None
+    with contextlib.suppress(ValueError):  # ValueError: another drive (Windows)
+        rel = os.path.relpath(path)
+        if not rel.startswith(os.pardir):
+            path = rel
+    return shlex.quote(path)
 
 
 def _show(g: Any) -> str:
@@ -545,6 +493,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "file) and report which rules fired")
     a.add_argument("--seed", type=int, default=0, help="seed for random --arg values (default 0)")
     a.add_argument("--no-fix", action="store_true", help="do not re-run the suggested fixes")
+    a.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress on stderr (by default it shows what is running, also when piped)")
     a.set_defaults(run=cmd_audit)
     r = sub.add_parser("rules", help="the rule catalog: names, what each fixes, which table holds it")
     r.add_argument("--json", action="store_true", help="print the catalog as JSON")

@@ -11,6 +11,7 @@ script keeps them in step with the sources.
 
 from __future__ import annotations
 
+import os
 import pathlib
 import sys
 
@@ -40,6 +41,12 @@ def cells_of(source: str) -> list[nbformat.NotebookNode]:
             lines.append(line)
     flush()
     return cells
+
+
+# Stored outputs are read in a browser, on GitHub and in the docs, where ANSI colour codes are noise: the
+# kernel (which inherits this environment) prints jaxprs without them. JAX reads its flags from the
+# environment at import.
+os.environ["JAX_PPRINT_USE_COLOR"] = "false"
 
 
 def build(src: pathlib.Path) -> pathlib.Path:

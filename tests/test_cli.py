@@ -7,6 +7,7 @@ parsing and the other commands are also tested in-process through `main()`.
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -60,12 +61,17 @@ def test_main_job_audits_the_examples_and_exits_1():
     assert "inside scan at" in out
     assert out.rstrip().endswith("7 functions audited: 0 ok, 7 with non-finite gradients")
     assert "Traceback" not in p.stderr
+    # stdout is a pipe here, yet progress still reaches stderr: one line per function, in order
+    steps = re.findall(r"^\[gradkit\] auditing (\w+) \((\d)/7\)…$", p.stderr, re.M)
+    assert [int(k) for _, k in steps] == list(range(1, 8))
+    assert len({n for n, _ in steps}) == 7 and all(f"FINDING  {n}(" in out for n, _ in steps)
     assert elapsed < 120  # the README's main job: well under a minute on a normal machine
 
 
 def test_json_report_parses_and_exit_codes(finite_file):
-    p = run("audit", "examples/unstable_losses.py:angle_loss", "--json")
+    p = run("audit", "examples/unstable_losses.py:angle_loss", "--json", "--quiet")
     assert p.returncode == 1, p.stderr
+    assert p.stderr == ""  # --quiet: no progress
     doc = json.loads(p.stdout)
     assert doc["ok"] is False
     (fn,) = doc["functions"]
@@ -139,6 +145,115 @@ def test_in_process_table_sweep_and_demo(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "log(1 + exp(x)) at x = 100" in out and "gk.stable.log1pexp" in out
     assert "born at   gradkit_demo.py:26  `exp` (forward pass)" in out
+
+
+def test_a_function_that_raises_is_reported_once(capsys, tmp_path):
+    path = tmp_path / "broken.py"
+    path.write_text(textwrap.dedent("""\
+        import jax.numpy as jnp
+
+        def ok(x):
+            return jnp.sum(x ** 2)
+
+        def broken(x):
+            return jnp.sum(x @ jnp.ones((5, 2)))  # (3,) @ (5, 2): a shape error
+
+        def raises(x):
+            raise ValueError("x must be sorted")  # line 10
+
+        GRADKIT_INPUTS = {"ok": ("f32[3]",), "broken": ("f32[3]",), "raises": ("f32[3]",)}
+        """))
+    assert main(["audit", str(path), "--quiet"]) == 2
+    cap = capsys.readouterr()
+    assert cap.err == ""
+    assert cap.out.count("contracting dimensions") == 1, cap.out
+    assert cap.out.count("x must be sorted") == 1, cap.out
+    assert "ValueError: x must be sorted (raised at " + f"{path}:10)" in cap.out  # names the line
+    assert f"(raised at {path}:7)" in cap.out
+    assert f"ERROR    {path}:broken\n" in cap.out and f"ERROR    {path}:raises\n" in cap.out
+    assert cap.out.rstrip().endswith("3 functions audited: 1 ok, 2 could not be audited")
+    # without --quiet, stderr carries progress only, never a second copy of the errors
+    assert main(["audit", str(path)]) == 2
+    cap = capsys.readouterr()
+    assert cap.err.splitlines() == [f"[gradkit] auditing {n} ({k}/3)…" for k, n in
+                                    enumerate(["ok", "broken", "raises"], 1)]
+    assert cap.out.count("contracting dimensions") == 1 and cap.out.count("x must be sorted") == 1
+
+
+def test_files_are_modules_while_they_run(capsys, tmp_path):
+    """A dataclass under postponed annotations looks its module up in sys.modules while the class is made."""
+    source = textwrap.dedent("""\
+        from __future__ import annotations
+
+        import dataclasses
+
+        import jax.numpy as jnp
+
+
+        @dataclasses.dataclass(frozen=True)
+        class Config:
+            scale: float = SCALE
+
+
+        def loss(x):
+            return jnp.sum(Config().scale * x ** 2)
+
+
+        GRADKIT_INPUTS = {"loss": ("f32[3]:[1,2,3]",)}
+        """)
+    for k, scale in enumerate([2.0, 3.0]):  # two files of the same name: each keeps its own module
+        folder = tmp_path / f"d{k}"
+        folder.mkdir()
+        (folder / "model.py").write_text(source.replace("= SCALE", f"= {scale}"))
+    a, b = str(tmp_path / "d0" / "model.py"), str(tmp_path / "d1" / "model.py")
+    assert main(["audit", a, b, "--json", "--quiet"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ok"] is True and [f["target"] for f in doc["functions"]] == [f"{a}:loss", f"{b}:loss"]
+    # the value of sum(scale * x**2) at x = [1, 2, 3] is 14 * scale: each file ran with its own Config
+    assert [f["value"] for f in doc["functions"]] == ["finite (28)", "finite (42)"]
+    # a file that fails while importing leaves nothing behind in sys.modules
+    bad = tmp_path / "bad_import.py"
+    bad.write_text("import jax\nraise RuntimeError('boom')\n")
+    before = set(sys.modules)
+    assert main(["audit", str(bad)]) == 2
+    assert f"error while importing {bad}:2: RuntimeError: boom" in capsys.readouterr().err
+    assert not [m for m in set(sys.modules) - before if m.startswith("_gradkit_target_")]
+
+
+def test_demo_hint_works_from_any_directory(capsys, monkeypatch, tmp_path):
+    from gradkit import cli
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["demo"]) == 0
+    (hint,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("Next: gradkit audit ")]
+    cmd = shlex.split(hint.removeprefix("Next: ").split("   ")[0])
+    assert os.path.isabs(cmd[2]) and os.path.samefile(cmd[2], os.path.join(ROOT, "examples", "unstable_losses.py"))
+    assert main(cmd[1:2] + [cmd[2] + ":angle_loss", "--quiet"]) == 1  # runs from here: the finding is found
+    assert "FINDING  angle_loss(" in capsys.readouterr().out
+    # installed without the repository's examples folder: a command for the user's own file
+    monkeypatch.setattr(cli, "_example_path", lambda: None)
+    assert main(["demo"]) == 0
+    (hint,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("Next: gradkit audit ")]
+    cmd = shlex.split(hint.removeprefix("Next: ").split("   ")[0])
+    (tmp_path / "model.py").write_text("import jax.numpy as jnp\n\ndef loss(x):\n    return jnp.sum(jnp.sqrt(x))\n")
+    assert main(cmd[1:] + ["--quiet"]) == 1  # sqrt at normal(0,1) inputs: negative values give NaN gradients
+    assert "FINDING  loss(x: f32[128])" in capsys.readouterr().out
+
+
+def test_rules_lists_every_table_and_library_rule(capsys):
+    import gradkit.tables
+    from gradkit._src.table import RuleTable
+
+    assert main(["rules", "--json"]) == 0
+    cat = json.loads(capsys.readouterr().out)
+    names = {n for n, v in vars(gradkit.tables).items() if isinstance(v, RuleTable) and not n.startswith("_")}
+    assert set(cat["tables"]) == {f"gradkit.tables.{n}" for n in names} and {"SAFE", "STABLE"} <= names
+    for n in names:
+        table = getattr(gradkit.tables, n)
+        assert [r["op"] for r in cat["tables"][f"gradkit.tables.{n}"]] == sorted(table)
+    lib = gradkit.tables.library()
+    assert {r["rule"]: r["signature"] for r in cat["library"]} == {k: v.signature() for k, v in lib.items()}
+    assert all(r["doc"] for r in cat["library"])
 
 
 def test_parse_spec():

@@ -106,12 +106,15 @@ def one_line(msg: str, n: int = 1, limit: int = 300) -> str:
 
 
 def short_path(path: str) -> str:
-    """``path`` relative to the working directory when it is below it."""
+    """``path`` as a reader should see it: ``cell In[3]`` in a notebook, relative below the cwd, else absolute."""
+    cell = notebook_cell(path)
+    if cell is not None:
+        return cell
     try:
         rel = os.path.relpath(path)
-    except ValueError:
+    except ValueError:  # another drive (Windows)
         return path
-    return rel if not rel.startswith("..") else path
+    return rel if not rel.startswith(os.pardir) else path
 
 
 def relative_error(value: np.ndarray, reference: np.ndarray, floor: float) -> np.ndarray:

@@ -119,6 +119,47 @@ except gk.GradkitError as e:
     print(str(e)[:200], "...")
 
 # %% [markdown]
+# ## The gradient before and after a rule, over a range of inputs
+#
+# Left: the named op `log1pexp` — plain autodiff overflows to NaN past
+# x ≈ 88.7 in float32, the rule keeps the derivative σ(x). Right: `round` from
+# the TOML table — plain autodiff gives 0 everywhere (nothing to learn from),
+# the straight-through rule passes the gradient through as 1.
+
+# %%
+import matplotlib.pyplot as plt
+import numpy as np
+
+def grad_over(f, grid):
+    return np.asarray(jax.vmap(jax.grad(f))(grid))
+
+def quantize(x):
+    return jnp.round(x * 3) / 3
+
+xs, us = jnp.linspace(-10.0, 120.0, 651), jnp.linspace(-1.0, 1.0, 201)
+panels = [
+    ("log1pexp(x), a named op", np.asarray(xs), grad_over(log1pexp, xs),
+     grad_over(gk.override(log1pexp, {"log1pexp": sigmoid_grad}), xs), "override: sigmoid_grad rule"),
+    ("round(3x) / 3", np.asarray(us), grad_over(quantize, us),
+     grad_over(gk.override(quantize, from_toml), us), "override: the TOML table"),
+]
+fig, axes = plt.subplots(1, 2, figsize=(11, 3.5))
+for ax, (title, grid, plain, fixed, how) in zip(axes, panels):
+    ax.plot(grid, fixed, lw=3, alpha=0.6, label=how)
+    ax.plot(grid, np.where(np.isfinite(plain), plain, np.nan), "--", label="plain JAX")
+    bad = ~np.isfinite(plain)
+    if bad.any():
+        ax.axvspan(grid[bad].min(), grid[-1], color="tab:red", alpha=0.1, label="plain gradient is NaN")
+    ax.set_title(f"gradient of {title}")
+    ax.set_xlabel("x")
+    ax.set_ylim(-0.1, 1.2)
+    ax.legend(loc="center left")
+plt.tight_layout()
+plt.show()
+print("non-finite gradients on the grid: plain", int((~np.isfinite(panels[0][2])).sum()),
+      "| with the rule", int((~np.isfinite(panels[0][3])).sum()))
+
+# %% [markdown]
 # ## What the rewrite produces
 #
 # Each matched op becomes a `custom_vjp_call` (or `custom_jvp_call`) whose
