@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gradkit._src.sourcepath import notebook_cell
+
 # --------------------------------------------------------------------------- functions and inputs
 
 
