@@ -199,3 +199,20 @@ def test_op_decorated_inside_the_overridden_function(maybe_jit):
     x = jnp.array([1.0, 2.0])
     np.testing.assert_array_equal(maybe_jit(jax.grad(f))(x), [10.0, 10.0])
     assert seen["inputs"][1] == "tag" and seen["params"] == {"k": 2.0}
+
+
+@pytest.mark.parametrize("kind", ["vjp", "jvp"])
+def test_rule_for_a_named_op_with_a_static_leaf_before_the_array(kind, maybe_jit):
+    @gk.op("scaled")
+    def scaled(mode, x):
+        return jnp.sin(x) if mode == "sin" else jnp.cos(x)
+
+    if kind == "vjp":
+        rule = gk.vjp_rule(lambda op, g: (None, g * 10.0))
+    else:
+        rule = gk.jvp_rule(lambda op, t: (t[1] * 10.0) if t[0] is None else None)
+    f = gk.override(lambda x: jnp.sum(scaled("sin", x)), {"scaled": rule})
+    x = jnp.array([0.1, 0.7, 2.0])
+    np.testing.assert_array_equal(maybe_jit(jax.grad(f))(x), np.full(3, 10.0, np.float32))
+    if kind == "jvp":
+        np.testing.assert_allclose(jax.jvp(f, (x,), (jnp.ones(3),))[1], 30.0)

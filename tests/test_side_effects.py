@@ -220,7 +220,7 @@ def test_failed_trace_leaves_no_trace_state_behind():
     # A rule that raises mid-trace under jit: the next plain trace is clean
     # (no leaked tracer, no leftover source-info context).
     bad = gk.override(lambda x: jnp.sum(jnp.sin(x)), {"sin": gk.vjp_rule(lambda op, g: {}["x"])})
-    with pytest.raises(gk.GradkitError):
+    with pytest.raises(KeyError):
         jax.jit(jax.grad(bad))(jnp.ones(3))
     jaxpr = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(jnp.sin(x))))(jnp.ones(3))
     assert "custom_vjp" not in str(jaxpr) and "gradkit" not in str(jaxpr)

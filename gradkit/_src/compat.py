@@ -28,6 +28,8 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 from jax._src import api_util as _api_util
+from jax._src import config as _jax_config
+from jax._src import shard_map as _shard_map
 from jax._src import linear_util as _lu
 from jax._src import source_info_util as _siu
 from jax._src import traceback_util as _tbu
@@ -288,6 +290,24 @@ def is_custom_derivative(eqn: JaxprEqn) -> bool:
 
 def is_shard_map(eqn: JaxprEqn) -> bool:
     return eqn.primitive.name == "shard_map"
+
+
+def body_context(eqn: JaxprEqn) -> contextlib.AbstractContextManager[Any]:
+    """The context JAX traces ``eqn``'s sub-programs in (what tracing more code for them needs).
+
+    A ``shard_map`` body is traced with its mesh axes in the axis environment,
+    the manual abstract mesh, and its ``check_vma`` setting, so values there
+    carry their varying manual axes; elsewhere, nothing.
+    """
+    if eqn.primitive.name != "shard_map":
+        return contextlib.nullcontext()
+    p = eqn.params
+    axes = frozenset(p.get("newly_manual_axes", p.get("manual_axes", ())))  # "manual_axes" before jax 0.9
+    stack = contextlib.ExitStack()
+    stack.enter_context(_shard_map._extend_axis_env(p["mesh"], axes))
+    stack.enter_context(jax.sharding.use_abstract_mesh(_shard_map._as_manual_mesh(p["mesh"], axes)))
+    stack.enter_context(_jax_config._check_vma(p.get("check_vma", True)))
+    return stack
 
 
 def bind_shard_map(eqn: JaxprEqn, invals: Sequence[Any], body: Callable[..., Any]) -> list[Any]:

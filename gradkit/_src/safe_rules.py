@@ -257,24 +257,20 @@ def safe_bind(prim: Any, params: Any, inputs: Sequence[Any], fixed: Sequence[boo
     if not prog.masks:
         return compat.bind_primitive(prim, inputs, params)
     idx = [i for i, d in enumerate(diff) if d]
-    held = list(inputs)
 
-    def full(dyn: Sequence[Any]) -> list[Any]:
-        xs = list(held)
-        for i, x in zip(idx, dyn):
-            xs[i] = x
-        return xs
-
+    # Every input is an argument, the fixed ones too: JAX memoizes the traced
+    # JVP with the program, so it must close over no value of this trace
+    # (inside shard_map, match_varying made even the constants traced values).
     @jax.custom_jvp
-    def f(*dyn: Any) -> Any:
-        return compat.bind_primitive(prim, full(dyn), params)[0]
+    def f(*xs: Any) -> Any:
+        return compat.bind_primitive(prim, list(xs), params)[0]
 
     @f.defjvp
     def f_jvp(primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> tuple[Any, Any]:
-        out = f(*primals)
-        return out, replay(prog, full(primals), tangents, [out])[0]
+        out = f(*primals)  # the fixed inputs' tangents are dropped: they are constants of the program
+        return out, replay(prog, list(primals), [tangents[i] for i in idx], [out])[0]
 
-    return [f(*(inputs[i] for i in idx))]
+    return [f(*inputs)]
 
 
 # --------------------------------------------------------------------------- the rules

@@ -151,7 +151,8 @@ class Rewrite:
                 changed = True
                 continue
             if self._enter(eqn) and has_subprograms(eqn):
-                params = map_subprograms(eqn.params, self)
+                with compat.body_context(eqn):  # code traced for a shard_map body sees its mesh axes
+                    params = map_subprograms(eqn.params, self)
                 if params is not None:
                     eqn = eqn.replace(params=params)
                     changed = True
