@@ -42,6 +42,7 @@ Literal = jex_core.Literal
 Primitive = jex_core.Primitive
 JaxprEqn = jex_core.JaxprEqn
 Tracer = jax.core.Tracer
+ArrayImpl: type = type(jax.numpy.zeros(()))  # a concrete jax.Array (never a tracer)
 
 JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
 
