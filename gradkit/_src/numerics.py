@@ -55,6 +55,7 @@ def _lowp(fn):
         work = _work_dtype(dtype)
         if work == dtype:
             return fn(x, *rest)
+        rest = tuple(r.astype(work) if getattr(r, "dtype", None) == dtype else r for r in rest)
         return fn(x.astype(work), *rest).astype(dtype)
 
     return wrapper
@@ -150,6 +151,47 @@ def _log1p_jvp(primals, tangents):
     return log1p(x), t / (1.0 + x)
 
 
+# exp(x) = 2^k exp(r), r = x - k log 2 (Cody and Waite: log 2 = C1 + C2 with C1 short
+# enough that k C1 is exact), exp(r) = 1 + r + r^2 (1/2 + r P(r)) on |r| <= log(2)/2 with a
+# Chebyshev fit P (error far below 0.01 ULP). The integer type builds 2^k from its bits.
+_EXP = {
+    np.dtype(np.float32): (0.693145751953125, 1.4286068203094173e-06, np.int32, 23, 127,
+                           (0.16666666666666666, 0.041666554532615786, 0.008333320877775163,
+                            0.001392619766942992, 0.0001988271397598067)),
+    np.dtype(np.float64): (0.6931471803691238, 1.9082149292705877e-10, np.int64, 52, 1023,
+                           (0.16666666666666666, 0.04166666666666667, 0.008333333333333333,
+                            0.0013888888888883742, 0.0001984126984126641, 2.4801587325574868e-05,
+                            2.755731923997518e-06, 2.7557273608709007e-07, 2.5052077979399947e-08,
+                            2.0914701283103285e-09, 1.6084337425329933e-10)),
+}
+
+
+def exp_parts(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(k, m, c)`` with ``exp(x) = 2^k (m + c)``: ``m`` in [0.7, 1.42], ``|c| <= ulp(m)``, error ≤ 0.21 ULP of ``m``.
+
+    ``2^k m`` is ``exp(x)`` within 0.62 ULP (XLA:CPU's own ``exp`` is off by
+    up to 1 ULP), and ``c`` is what a compensated formula adds. ``k`` is a
+    float; scale with :func:`pow2` (a normal ``2^k`` needs
+    ``x >= log(tiny)``).
+    """
+    c1, c2, _, _, _, tail = _EXP[np.dtype(x.dtype)]
+    k = jnp.round(x * (1.0 / math.log(2.0)))
+    r_hi = x - k * c1  # exact: k c1 is, and it is within a factor 2 of x
+    r_lo = -(k * c2)
+    r = r_hi + r_lo
+    t = r_lo + (r * r) * (0.5 + r * _horner(r, list(tail)))  # exp(r) - 1 - r_hi
+    p, p_lo = two_sum(r_hi, t)
+    m = 1.0 + p
+    return k, m, (p - (m - one_of(m))) + p_lo
+
+
+def pow2(k: jax.Array, dtype: np.dtype) -> jax.Array:
+    """``2^k`` for integral float ``k``, from its bits; ``k`` is clamped to the normal range."""
+    _, _, itype, bits, bias, _ = _EXP[np.dtype(dtype)]
+    k = jnp.clip(k, 1 - bias, bias)
+    return lax.bitcast_convert_type((k.astype(itype) + bias) << bits, dtype)
+
+
 # sigmoid's exponent is capped here: sigmoid(80) rounds to 1 in float32 and
 # float64, and exp(80) is finite in both.
 _SIGMOID_CAP = 80.0
@@ -164,17 +206,25 @@ def sigmoid_exp(x: jax.Array) -> jax.Array:
     return jnp.exp(jnp.minimum(x, _SIGMOID_CAP))
 
 
+def _sigmoid_of_sum(x: jax.Array, lo: jax.Array | float) -> jax.Array:
+    # q / (1 + q) with 1 + q = s + s_lo exactly: sigmoid(x + lo) = q/s + q (lo - s_lo) / s^2 to
+    # first order, the correction with an approximate 1/s (it is a few ULP of the result at most).
+    q = sigmoid_exp(x)
+    s = 1.0 + q
+    return q / s + (q * (lo - sum_lo(q, s))) * lax.square(recip_approx(s, 2))
+
+
 @jax.custom_jvp
 @_lowp
 def sigmoid(x: jax.Array) -> jax.Array:
-    """``1 / (1 + exp(-x))`` as ``q / (1 + q)``, ``q = exp(min(x, 80))``: never overflows (≤ 1.8 ULP).
+    """``1 / (1 + exp(-x)) = q / (1 + q)``, ``q = exp(min(x, 80))``: never overflows (≤ 2 ULP).
 
-    For ``x < 0`` this is ``e / (1 + e)`` with ``e = exp(x)`` small; for
-    ``x > 0`` the rounding of ``q`` is damped by ``1 / (1 + q)``. One input
-    and no select: a derivative XLA:CPU computes in one pass over ``q``.
+    ``1 + q`` is taken exactly (as ``s + s_lo``), so only ``exp``'s error,
+    the division's and one last addition remain; the correction
+    ``q s_lo / s^2`` needs no second division (:func:`recip_approx`). One
+    input: a derivative XLA:CPU computes in one pass over ``q``.
     """
-    q = sigmoid_exp(x)
-    return q / (1.0 + q)
+    return _sigmoid_of_sum(x, 0.0)
 
 
 @sigmoid.defjvp
@@ -184,17 +234,30 @@ def _sigmoid_jvp(primals, tangents):
 
 
 @jax.custom_jvp
+def sigmoid_of_sum(x: jax.Array, lo: jax.Array) -> jax.Array:
+    """``sigmoid(x + lo)`` for a small ``lo`` (the low part of an exact difference), rounded once."""
+    return _lowp(_sigmoid_of_sum)(x, lo)
+
+
+@sigmoid_of_sum.defjvp
+def _sigmoid_of_sum_jvp(primals, tangents):
+    (x, lo), (tx, tlo) = primals, tangents
+    return sigmoid_of_sum(x, lo), (tx + tlo) * sigmoid_prime(x)
+
+
+@jax.custom_jvp
 @_lowp
 def sigmoid_prime(x: jax.Array) -> jax.Array:
-    """``σ(x) σ(-x) = e / (1 + e (2 + e))``, ``e = exp(-|x|)``; no cancellation (≤ 1.9 ULP).
+    """``σ(x) σ(-x) = e / (1 + e)^2``, ``e = exp(-|x|)``, with ``(1 + e)^2`` taken exactly (≤ 2 ULP).
 
     One ``exp``, which a value written with the same ``exp(-|x|)`` shares
-    (``gk.stable.sigmoid``, ``silu``). Every rounding but ``exp``'s is
-    relative to a sum of positive terms, and ``exp``'s error is damped by
-    ``(1 - e)/(1 + e)``.
+    (``gk.stable.sigmoid``, ``silu``); its error is damped by
+    ``(1 - e)/(1 + e)``. ``(1 + e)^2 = S + S_lo`` exactly (:func:`square_one_plus`),
+    so what remains is the division's rounding and one last addition.
     """
     e = jnp.exp(-jnp.abs(x))
-    return e / (1.0 + e * (2.0 + e))
+    big, big_lo = square_one_plus(e)
+    return e / big - (e * big_lo) * lax.square(recip_approx(big))
 
 
 @sigmoid_prime.defjvp
@@ -271,6 +334,81 @@ def _cospi_jvp(primals, tangents):
 
 
 # --------------------------------------------------------------------------- exact sums
+
+
+def one_of(s: jax.Array) -> jax.Array:
+    """1 as ``sign(s)`` for ``s > 0``: a 1 XLA cannot fold.
+
+    XLA (jax < 0.12) rewrites ``(a + 1) - 1`` to ``a``, which would erase the
+    rounding error that an error-free sum recovers; ``(a + 1) - sign(a + 1)``
+    is left alone.
+    """
+    return jnp.sign(s)
+
+
+def sum_lo(b: jax.Array, s: jax.Array) -> jax.Array:
+    """The rounding error of ``s = 1 + b``: ``(1 + b) - s``, exactly (TwoSum), for any ``b > -1``."""
+    one = one_of(s)
+    bb = s - one
+    return (one - (s - bb)) + (b - bb)
+
+
+def two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``a + b = s + lo`` exactly (Knuth's TwoSum; no constant operands, which XLA may fold)."""
+    s = a + b
+    bb = s - a
+    return s, (a - (s - bb)) + (b - bb)
+
+
+_SPLITTER = {np.dtype(np.float32): 4097.0, np.dtype(np.float64): 134217729.0}  # 2^ceil(p/2) + 1
+
+
+def _split(a: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``a = hi + lo`` with half the significand in each (Veltkamp), for ``|a|`` far below the overflow."""
+    c = a * _SPLITTER[np.dtype(a.dtype)]
+    hi = c - (c - a)
+    return hi, a - hi
+
+
+def two_prod(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``a b = p + lo`` exactly (Dekker; XLA:CPU has no fused multiply-add to do it in two operations)."""
+    p = a * b
+    ah, al = _split(a)
+    bh, bl = _split(b)
+    return p, ((ah * bh - p) + ah * bl + al * bh) + al * bl
+
+
+def square_one_plus(e: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(1 + e)^2 = S + S_lo`` for ``0 <= e <= 1``, with ``|S_lo| <= ulp(S)`` and an error below ``ulp(S)/8``.
+
+    With ``s = fl(1 + e)``, ``s_lo`` its rounding error and ``a = s - 1``
+    (exact): ``s^2 = 1 + 2a + a^2``, and ``(1 - S) + 2a`` is exact (every
+    term is a multiple of ``ulp(1)`` below 2), so only ``a^2`` is rounded.
+    """
+    s = 1.0 + e
+    one = one_of(s)
+    a = s - one
+    big = s * s
+    lo = ((one - big) + 2.0 * a) + a * a
+    return big, lo + 2.0 * s * sum_lo(e, s)
+
+
+_RECIP_MAGIC = {np.dtype(np.float32): (np.int32, 0x7EF311C3), np.dtype(np.float64): (np.int64, 0x7FDE6238DA3C2118)}
+
+
+def recip_approx(s: jax.Array, steps: int = 1) -> jax.Array:
+    """``1/s`` for normal ``s > 0`` without a division: a bit trick and Newton steps (1.5%; 2e-4 with two).
+
+    For correction terms only: they are a few ULP at most, so 1.5% of them
+    is far below the final rounding, and a second division would cost
+    XLA:CPU as much as the whole correction.
+    """
+    itype, magic = _RECIP_MAGIC[np.dtype(s.dtype)]
+    r = lax.bitcast_convert_type(itype(magic) - lax.bitcast_convert_type(s, itype), s.dtype)
+    for _ in range(steps):
+        r = r * (2.0 - s * r)
+    return r
+
 
 
 def two_diff(x: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.Array]:

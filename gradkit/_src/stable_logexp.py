@@ -19,8 +19,7 @@ def _sigmoid_of_difference(x: Array, y: Array) -> tuple[Array, Array]:
     hi, lo = _k.two_diff(x, y)
     same_inf = (x == y) & jnp.isinf(x)
     hi = jnp.where(same_inf, 0.0, hi)  # equal infinities: the limit along x == y
-    ds = _k.sigmoid_prime(hi) * lo
-    return _k.sigmoid(hi) + ds, _k.sigmoid(-hi) - ds
+    return _k.sigmoid_of_sum(hi, lo), _k.sigmoid_of_sum(-hi, -lo)
 
 
 @jax.custom_jvp

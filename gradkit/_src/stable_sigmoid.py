@@ -138,40 +138,65 @@ def sigmoid(x: ArrayLike) -> Array:
 # has no cancellation near the root (silu's minimum).
 _SILU_ROOT = "-1.27846454276107379510935873902298015543947748861974576545318"
 _SILU_EXP_ROOT = "0.278464542761073795109358739022980155439477488619745765453178"
-_SILU_FAR = -64.0  # below, e^x underflows before x e^x does: silu uses e^(x + 64) e^-64
+# (far, shift, clamp): below -far, e^x < eps^2, so silu = x e^x and silu' = (1 + x) e^x to
+# working precision; there e^x is kept as 2^shift e^x (a normal number down to -clamp, where
+# silu' is far below the smallest normal) and scaled back at the end, exactly.
+_SILU_FAR = {np.dtype(np.float32): (40.0, 64, 130.0), np.dtype(np.float64): (75.0, 200, 760.0)}
 _SILU_NEAR = 0.25  # |x - r| below which 1 + x + e^x is taken around its root
 
 
 def _silu_exp(x):
-    """``(e, far)``: ``e = exp(-|x|)``, except ``exp(x + 64)`` where ``far = x < -64``.
+    """``(e, far)``: ``e = exp(-|x|)``, except ``2^shift exp(x)`` where ``far = x < -far``.
 
-    The one ``exp`` of silu's value and derivative: both build it from the
-    same expression, so XLA evaluates it once.
+    The one ``exp`` of silu's value and derivative (both build it from the
+    same expression, so XLA evaluates it once): the kernel's, within 0.62
+    ULP, where XLA's ``exp`` is off by up to 1 ULP, which ``(1 + x) e^x``
+    would carry into its result.
     """
-    far = x < _SILU_FAR
-    return jnp.exp(jnp.where(far, x - _SILU_FAR, -jnp.abs(x))), far
+    far_x, shift, clamp = _SILU_FAR[np.dtype(x.dtype)]
+    k, m, _ = _k.exp_parts(-jnp.minimum(jnp.abs(x), clamp))
+    far = x < -far_x
+    return m * _k.pow2(jnp.where(far, k + shift, k), x.dtype), far
+
+
+def _far_scale(dtype) -> float:
+    return 2.0 ** -_SILU_FAR[np.dtype(dtype)][1]
 
 
 @jax.custom_jvp
 def _silu_prime(x):
     e, far = _silu_exp(x)
-    # With e = exp(-|x|): silu' = (1 + e (1 + x)) / (1 + e)^2 for x >= 0 and
-    # e g / (1 + e)^2, g = 1 + x + e, for x < 0; no cancellation except in g.
-    # Within 1/4 of g's root use g = d + e^r expm1(d), d = x - r (a short
-    # series); elsewhere 1 + x is exact (|x| >= 2) or the rounding of e moves
-    # g by under one of its ULPs. Infinite x are clamped (then e = 0 gives
-    # the limits 1 and 0 without 0 * inf); every branch is finite, so one
-    # division serves them all.
+    # With e = exp(-|x|): silu' = N / (1 + e)^2, N = 1 + e (1 + x) for x >= 0
+    # and N = e g, g = 1 + x + e, for x < 0. (1 + e)^2 and the sums are
+    # taken exactly (a value and its rounding error), so the result is one
+    # division plus a correction: no rounding but exp's, the products' and
+    # the last is left. Within 1/4 of g's root, g = d K + e_r (expm1(d) - d)
+    # with d = x - r and K = 1 + e_r = -r: no cancellation and no e. Infinite
+    # x are clamped (then e = 0 gives the limits 1 and 0 without 0 * inf).
     x = jnp.clip(x, -1e4, 1e4)
-    r_hi, r_lo = split_constant(_SILU_ROOT, x.dtype)
-    e_r = float(Fraction(Decimal(_SILU_EXP_ROOT)))
-    d = lax.optimization_barrier(x - r_hi) - r_lo  # XLA would fold the two constants into one
+    big, big_lo = _k.square_one_plus(e)
+    one = _k.one_of(big)
     xp1 = 1.0 + x
-    g = jnp.where(jnp.abs(d) < _SILU_NEAR, d + e_r * _k.expm1_series(d, _SILU_NEAR), xp1 + e)
-    num = jnp.where(x < 0, e * g, 1.0 + e * xp1)
-    out = num / (1.0 + e * (2.0 + e))
-    # Below -64: silu' = e^x (1 + x) to float precision, with e = e^(x + 64).
-    return jnp.where(far, (e * xp1) * float(np.exp(_SILU_FAR)), out)
+    xp1_lo = jnp.where(x < 0, x - (xp1 - one), 0.0)  # 1 + x is exact for x <= -1/2, and x >= 0 is not needed
+    g, g_lo = _k.two_sum(xp1, e)
+    r_hi, r_lo = split_constant(_SILU_ROOT, x.dtype)
+    k_hi, k_lo = split_constant(_SILU_ROOT[1:], x.dtype)
+    e_r = float(Fraction(Decimal(_SILU_EXP_ROOT)))
+    d = (x - r_hi) - r_lo * one  # one: XLA would fold the two constants into one
+    near = jnp.abs(d) < _SILU_NEAR
+    dn = jnp.where(near, d, 0.0)
+    d_lo = ((x - r_hi) - d) - r_lo * one
+    gk_hi, gk_lo = _k.two_prod(dn, jnp.full_like(dn, k_hi))
+    gn, gn_lo = _k.two_sum(gk_hi, gk_lo + (dn * k_lo + d_lo * k_hi) + e_r * (_k.expm1_series(dn, _SILU_NEAR) - dn))
+    g = jnp.where(near, gn, g)
+    g_lo = jnp.where(near, gn_lo, g_lo + xp1_lo)
+    p = e * xp1
+    eg, eg_lo = _k.two_prod(e, g)
+    num = jnp.where(x < 0, eg, 1.0 + p)
+    num_lo = jnp.where(x < 0, eg_lo + e * g_lo, _k.sum_lo(p, num))
+    out = num / big + (num_lo * big - num * big_lo) * lax.square(_k.recip_approx(big))
+    # Far below 0: silu' = e^x (1 + x) to working precision, e = 2^shift e^x.
+    return jnp.where(far, (e * xp1) * _far_scale(x.dtype), out)
 
 
 @_silu_prime.defjvp
@@ -188,7 +213,7 @@ def _silu_prime_jvp(primals, tangents):
 def _silu(x):
     e, far = _silu_exp(x)
     s = jnp.where(x >= 0, 1.0, e) / (1.0 + e)  # sigmoid(x), as _k.sigmoid computes it
-    return jnp.where(far, (x * e) * float(np.exp(_SILU_FAR)), x * s)
+    return jnp.where(far, (x * e) * _far_scale(x.dtype), x * s)
 
 
 @_silu.defjvp
