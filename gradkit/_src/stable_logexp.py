@@ -60,22 +60,18 @@ def logaddexp(x: ArrayLike, y: ArrayLike) -> Array:
 # =========================================================================== log(1 - exp)
 
 
-@_k._lowp
 def _expm1_recip(x):
-    """``1 / expm1(x)`` (log1mexp's derivative): ``1/y`` with ``y`` a Taylor series of ``expm1`` below
-    ``log 2``, ``e / (1 - e)`` with ``e = exp(-x)`` (``1 - e`` in [1/2, 1), no cancellation) above."""
-    small = jnp.abs(x) < _LN2
-    y = _k.expm1_series(jnp.where(small, x, 0.0), _LN2)
-    e = jnp.exp(-jnp.maximum(x, -80.0))  # finite: g = -1 below -80 instead of inf/inf
-    g = jnp.where(small, 1.0, e) / jnp.where(small, y, 1.0 - e)
-    # x < 0: 1/expm1(x) < -1, but it rounds to -1 from x = -17 (float32) on;
-    # keep it below -1 there, so that log1mexp = -log1p(g) is NaN as well.
+    """``1 / expm1(x)`` (log1mexp's derivative), kept below -1 for ``x < 0``.
+
+    1/expm1(x) < -1 there, but it rounds to -1 from x = -17 (float32) on;
+    below -1, log1mexp = -log1p(g) is NaN as well.
+    """
+    g = _k.expm1_recip(x)
     below = float(np.nextafter(np.array(-1.0, x.dtype), np.array(-2.0, x.dtype)))
     return jnp.where(x < 0, jnp.minimum(g, below), g)
 
 
 @jax.custom_jvp
-@_k._lowp
 def _log1mexp(x):
     # log(1 - e^-x) = -log1p(1 / expm1(x)): the value from the derivative, so
     # XLA computes it once and sums log1p of it in one fused reduction. log1p
@@ -136,11 +132,8 @@ def _log_sub_exp_jvp(primals, tangents):
     same_inf = (x == y) & jnp.isinf(x)
     hi = jnp.where(same_inf, 0.0, hi)
 
-    def corr(z):
-        return jnp.where(lo == 0, 0.0, lo * jnp.exp(jnp.where(lo == 0, 0.0, z)))
-
-    dx = -1.0 / (_k.expm1(-hi) - corr(-hi))
-    dy = -1.0 / (_k.expm1(hi) + corr(hi))
+    dx = -_k.expm1_recip(-hi, -lo)
+    dy = -_k.expm1_recip(hi, lo)
     return _log_sub_exp(x, y), tx * dx + ty * dy
 
 
@@ -169,7 +162,7 @@ def _softplus_inverse(x):
 @_softplus_inverse.defjvp
 def _softplus_inverse_jvp(primals, tangents):
     (x,), (t,) = primals, tangents
-    return _softplus_inverse(x), t * (-1.0 / _k.expm1(-x))
+    return _softplus_inverse(x), t * -_k.expm1_recip(-x)
 
 
 @_op("softplus_inverse")

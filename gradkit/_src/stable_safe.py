@@ -173,6 +173,11 @@ def safe_arctan2(y: ArrayLike, x: ArrayLike) -> Array:
     return _safe_arctan2(y, x)
 
 
+def _pow_shift(dtype) -> int:
+    """A power of two (its exponent) that brings x^(y/2) near the under- or overflow threshold to about 1."""
+    return int(jnp.finfo(dtype).maxexp) // 2
+
+
 @jax.custom_jvp
 def _safe_pow(x, y):
     return jnp.power(x, y)
@@ -183,16 +188,32 @@ def _safe_pow_jvp(primals, tangents):
     (x, y), (tx, ty) = primals, tangents
     out = _safe_pow(x, y)
     y0 = y == 0
-    ym1 = jnp.where(y0, 1.0, y) - 1.0
-    dx = y * jnp.power(x, ym1)
-    # x^(y-1) can underflow where y x^(y-1) does not: take it as y x^h x^h, h = (y-1)/2.
-    tiny = float(jnp.finfo(x.dtype).tiny)
-    low = jnp.abs(dx) < 4.0 * tiny
-    half = jnp.power(x, 0.5 * ym1)
-    dx = jnp.where(y0, 0.0, jnp.where(low, (y * half) * half, dx))
     x0 = x == 0
     log_x = jnp.log(jnp.where(x0, 1.0, x))
-    dy = jnp.where(x0 & (y >= 0), 0.0, jnp.where(x0, -jnp.inf, out * log_x))
+    # y - 1 is rounded; its error ym1_lo moves x^(y-1) by the factor 1 + ym1_lo log x.
+    ys = jnp.where(y0, 1.0, y)
+    one = _k.one_of(jnp.abs(ys) + 2.0)
+    ym1, ym1_lo = _k.two_sum(ys, -one)
+    corr = jnp.where(x0, 0.0, ym1_lo * log_x)
+    p = jnp.power(x, ym1)
+    dx = y * p
+    # x^(y-1) can underflow where y x^(y-1) does not: take it as y h^2, h = x^((y-1)/2),
+    # h^2 exact (two_prod, on h 2^s to keep its low part normal) and scaled back at the end.
+    tiny = float(jnp.finfo(x.dtype).tiny)
+    s = _pow_shift(x.dtype)
+    half = jnp.power(x, 0.5 * ym1) * 2.0 ** s
+    sq, sq_lo = _k.two_prod(half, half)
+    low = jnp.abs(p) < tiny
+    lowv = ((y * sq + (y * sq_lo + (y * sq) * corr)) * 2.0 ** -s) * 2.0 ** -s
+    dx = jnp.where(low, lowv, dx + dx * corr)
+    dx = jnp.where(y0, 0.0, dx)
+    # x^y can overflow where x^y log x does not (|log x| < 1): take it as h^2 log x, h = x^(y/2),
+    # h^2 exact on h 2^-s and scaled back at the end.
+    half_y = jnp.power(x, 0.5 * y) * 2.0 ** -s
+    hq, hq_lo = _k.two_prod(half_y, half_y)
+    big = ((hq * log_x + hq_lo * log_x) * 2.0 ** s) * 2.0 ** s
+    dy = jnp.where(jnp.isinf(out) & jnp.isfinite(x) & jnp.isfinite(y), big, out * log_x)
+    dy = jnp.where(x0 & (y >= 0), 0.0, jnp.where(x0, -jnp.inf, dy))
     return out, tx * dx + ty * dy
 
 

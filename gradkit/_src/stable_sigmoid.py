@@ -103,7 +103,7 @@ def _sigmoid(x):
     # plain reduction instead of pulling the division into a YNNPACK fusion
     # that materializes its operands (1 + e among them, shared with the
     # derivative). Equal to _k.sigmoid(x) within its rounding.
-    e = jnp.exp(-jnp.abs(x))
+    e = _k.exp(-jnp.abs(x))
     return jnp.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
 
 
