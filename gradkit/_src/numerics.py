@@ -255,8 +255,7 @@ def _expm1_recip(x: jax.Array, lo: jax.Array | float) -> jax.Array:
     den = jnp.where(small, y, d)
     # expm1(x + lo) = expm1(x) + lo e^x, e^x = 1 + y, 1/e or e in the three ranges
     den_lo = jnp.where(small, y_lo, d_lo) + lo * jnp.where(small, 1.0 + y, jnp.where(pos, 1.0, -e))
-    r = recip_approx(jnp.where(den == 0, 1.0, jnp.abs(den)), 2)
-    return num / den + ((num_lo * den - num * den_lo) * r) * r
+    return div_df(num, num_lo, den, den_lo)
 
 
 @jax.custom_jvp
@@ -299,7 +298,7 @@ def _sigmoid_of_sum(x: jax.Array, lo: jax.Array | float) -> jax.Array:
     # first order, the correction with an approximate 1/s (it is a few ULP of the result at most).
     q = sigmoid_exp(x)
     s = 1.0 + q
-    return q / s + (q * (lo - sum_lo(q, s))) * lax.square(recip_approx(s, 2))
+    return div_df(q, q * lo, s, sum_lo(q, s))
 
 
 @jax.custom_jvp
@@ -345,7 +344,7 @@ def sigmoid_prime(x: jax.Array) -> jax.Array:
     """
     e = exp(-jnp.abs(x))
     big, big_lo = square_one_plus(e)
-    return e / big - (e * big_lo) * lax.square(recip_approx(big))
+    return div_df(e, 0.0, big, big_lo)
 
 
 @sigmoid_prime.defjvp
@@ -479,6 +478,27 @@ def square_one_plus(e: jax.Array) -> tuple[jax.Array, jax.Array]:
     big = s * s
     lo = ((one - big) + 2.0 * a) + a * a
     return big, lo + 2.0 * s * sum_lo(e, s)
+
+
+def div_df(num: jax.Array, num_lo: jax.Array | float, den: jax.Array, den_lo: jax.Array | float) -> jax.Array:
+    """``(num + num_lo) / (den + den_lo)`` rounded once: ``y = num / den`` plus its exact residual over ``den``.
+
+    The residual ``(num + num_lo) - y (den + den_lo)`` is taken with an exact
+    product, so it is right for whatever ``y`` was computed: XLA may compute
+    the division in one fusion and its correction in another, where
+    ``den`` is recomputed and (with a fused multiply-add there) rounds
+    differently; a correction written as ``-num den_lo / den^2`` would then
+    no longer match ``y``. Needs ``|y|`` and ``|den|`` far below the
+    overflow threshold (beyond it, ``y`` is returned).
+    """
+    y = num / den
+    limit = float(jnp.finfo(den.dtype).max) / 2.0 ** (jnp.finfo(den.dtype).nmant // 2 + 3)
+    ok = (jnp.abs(y) < limit) & (jnp.abs(den) < limit) & (den != 0)
+    ys, ds = jnp.where(ok, y, 0.0), jnp.where(ok, den, 1.0)
+    p, p_lo = two_prod(ys, ds)
+    res = ((num - p) - p_lo) + (num_lo - ys * den_lo)
+    r = recip_approx(jnp.abs(ds)) * jnp.sign(ds)
+    return jnp.where(ok, y + res * r, y)
 
 
 _RECIP_MAGIC = {np.dtype(np.float32): (np.int32, 0x7EF311C3), np.dtype(np.float64): (np.int64, 0x7FDE6238DA3C2118)}

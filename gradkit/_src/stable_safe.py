@@ -205,7 +205,7 @@ def _safe_pow_jvp(primals, tangents):
     sq, sq_lo = _k.two_prod(half, half)
     low = jnp.abs(p) < tiny
     lowv = ((y * sq + (y * sq_lo + (y * sq) * corr)) * 2.0 ** -s) * 2.0 ** -s
-    dx = jnp.where(low, lowv, dx + dx * corr)
+    dx = jnp.where(low, lowv, jnp.where(corr == 0, dx, dx + dx * corr))  # corr == 0: dx may be inf
     dx = jnp.where(y0, 0.0, dx)
     # x^y can overflow where x^y log x does not (|log x| < 1): take it as h^2 log x, h = x^(y/2),
     # h^2 exact on h 2^-s and scaled back at the end.

@@ -8,7 +8,6 @@ from fractions import Fraction
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.typing import ArrayLike
 
 from gradkit._src import numerics as _k
@@ -164,6 +163,7 @@ def _far_scale(dtype) -> float:
 
 
 @jax.custom_jvp
+@_k._lowp
 def _silu_prime(x):
     e, far = _silu_exp(x)
     # With e = exp(-|x|): silu' = N / (1 + e)^2, N = 1 + e (1 + x) for x >= 0
@@ -194,7 +194,7 @@ def _silu_prime(x):
     eg, eg_lo = _k.two_prod(e, g)
     num = jnp.where(x < 0, eg, 1.0 + p)
     num_lo = jnp.where(x < 0, eg_lo + e * g_lo, _k.sum_lo(p, num))
-    out = num / big + (num_lo * big - num * big_lo) * lax.square(_k.recip_approx(big))
+    out = _k.div_df(num, num_lo, big, big_lo)
     # Far below 0: silu' = e^x (1 + x) to working precision, e = 2^shift e^x.
     return jnp.where(far, (e * xp1) * _far_scale(x.dtype), out)
 
@@ -210,6 +210,7 @@ def _silu_prime_jvp(primals, tangents):
 
 
 @jax.custom_jvp
+@_k._lowp
 def _silu(x):
     e, far = _silu_exp(x)
     s = jnp.where(x >= 0, 1.0, e) / (1.0 + e)  # sigmoid(x), as _k.sigmoid computes it
