@@ -241,20 +241,21 @@ def _expm1_recip(x: jax.Array, lo: jax.Array | float) -> jax.Array:
     small = ax < _LN2
     xs = jnp.where(small, x, 0.0)
     n = _terms(_EXPM1, _LN2, 1, _eps(dtype))
-    y, y_lo = two_sum(xs, (xs * xs) * _horner(xs, _EXPM1[:n]))
+    tail = (xs * xs) * _horner(xs, _EXPM1[:n])
     bias = _EXP[dtype][4]
     clamp = (bias - 1) * _LN2  # below exp(-clamp), e is flushed to 0 (and 1/expm1 is e or -1)
     k, m, c = exp_parts(-jnp.minimum(ax, clamp))
     p2 = jnp.where(ax < clamp, pow2(k, dtype), 0.0)
     e, e_lo = m * p2, c * p2
-    d = 1.0 - e
-    d_lo = ((one_of(d) - d) - e) - e_lo  # (1 - e) - d exactly, then the exp's low part
     pos = x > 0
     num = jnp.where(small, 1.0, jnp.where(pos, e, -1.0))
     num_lo = jnp.where(small | ~pos, 0.0, e_lo)
-    den = jnp.where(small, y, d)
-    # expm1(x + lo) = expm1(x) + lo e^x, e^x = 1 + y, 1/e or e in the three ranges
-    den_lo = jnp.where(small, y_lo, d_lo) + lo * jnp.where(small, 1.0 + y, jnp.where(pos, 1.0, -e))
+    den = jnp.where(small, xs + tail, 1.0 - e)
+    # The low part from den itself (x - den and 1 - den are exact): XLA may compute den in one
+    # fusion and recompute the tail in another, where a fused multiply-add rounds it differently.
+    den_lo = jnp.where(small, (xs - den) + tail, ((one_of(den) - den) - e) - e_lo)
+    # expm1(x + lo) = expm1(x) + lo e^x, e^x = 1 + den, 1/e or e in the three ranges
+    den_lo = den_lo + lo * jnp.where(small, 1.0 + den, jnp.where(pos, 1.0, -e))
     return div_df(num, num_lo, den, den_lo)
 
 
@@ -465,6 +466,17 @@ def two_prod(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
     return p, ((ah * bh - p) + ah * bl + al * bh) + al * bl
 
 
+def prod_lo(a: jax.Array, b: jax.Array, p: jax.Array) -> jax.Array:
+    """``a b - p`` exactly, for any ``p`` within an ULP of ``a b`` (Dekker's error term, from the given ``p``).
+
+    With ``p`` the very value a caller goes on to use, the pair ``(p, lo)`` is
+    consistent even where XLA recomputes ``a b`` in another fusion.
+    """
+    ah, al = _split(a)
+    bh, bl = _split(b)
+    return ((ah * bh - p) + ah * bl + al * bh) + al * bl
+
+
 def square_one_plus(e: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(1 + e)^2 = S + S_lo`` for ``0 <= e <= 1``, with ``|S_lo| <= ulp(S)`` and an error below ``ulp(S)/8``.
 
@@ -488,12 +500,17 @@ def div_df(num: jax.Array, num_lo: jax.Array | float, den: jax.Array, den_lo: ja
     the division in one fusion and its correction in another, where
     ``den`` is recomputed and (with a fused multiply-add there) rounds
     differently; a correction written as ``-num den_lo / den^2`` would then
-    no longer match ``y``. Needs ``|y|`` and ``|den|`` far below the
-    overflow threshold (beyond it, ``y`` is returned).
+    no longer match ``y``. The exact product needs ``|y|`` and ``|den|`` far
+    from the overflow and underflow thresholds (XLA:CPU flushes subnormal
+    numbers to zero); beyond them ``y`` is returned, and ``num_lo``,
+    ``den_lo`` are below its last bit there in every caller.
     """
     y = num / den
-    limit = float(jnp.finfo(den.dtype).max) / 2.0 ** (jnp.finfo(den.dtype).nmant // 2 + 3)
-    ok = (jnp.abs(y) < limit) & (jnp.abs(den) < limit) & (den != 0)
+    fi = jnp.finfo(den.dtype)
+    hi = float(fi.max) / 2.0 ** (fi.nmant // 2 + 3)
+    lo = float(fi.tiny) * 2.0 ** (fi.nmant + 3)
+    ay, ad = jnp.abs(y), jnp.abs(den)
+    ok = (ay < hi) & (ad < hi) & (ay > lo) & (ad > lo)
     ys, ds = jnp.where(ok, y, 0.0), jnp.where(ok, den, 1.0)
     p, p_lo = two_prod(ys, ds)
     res = ((num - p) - p_lo) + (num_lo - ys * den_lo)

@@ -191,9 +191,9 @@ def _silu_prime(x):
     g = jnp.where(near, gn, g)
     g_lo = jnp.where(near, gn_lo, g_lo + xp1_lo)
     p = e * xp1
-    eg, eg_lo = _k.two_prod(e, g)
-    num = jnp.where(x < 0, eg, 1.0 + p)
-    num_lo = jnp.where(x < 0, eg_lo + e * g_lo, _k.sum_lo(p, num))
+    num = jnp.where(x < 0, e * g, 1.0 + p)
+    # low parts from num itself, so that they match the num the division sees
+    num_lo = jnp.where(x < 0, _k.prod_lo(e, g, num) + e * g_lo, _k.sum_lo(p, num))
     out = _k.div_df(num, num_lo, big, big_lo)
     # Far below 0: silu' = e^x (1 + x) to working precision, e = 2^shift e^x.
     return jnp.where(far, (e * xp1) * _far_scale(x.dtype), out)
