@@ -299,6 +299,7 @@ def _sigmoid_of_sum(x: jax.Array, lo: jax.Array | float) -> jax.Array:
     # first order, the correction with an approximate 1/s (it is a few ULP of the result at most).
     q = sigmoid_exp(x)
     s = 1.0 + q
+    lo = jnp.where(x < _SIGMOID_CAP, lo, 0.0)  # q e^lo = q (1 + lo) needs a small lo; above the cap it is 1 anyway
     return div_df(q, q * lo, s, sum_lo(q, s))
 
 
