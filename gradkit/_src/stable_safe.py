@@ -175,7 +175,9 @@ def safe_arctan2(y: ArrayLike, x: ArrayLike) -> Array:
 
 def _pow_shift(dtype) -> int:
     """A power of two (its exponent) that brings x^(y/2) near the under- or overflow threshold to about 1."""
-    return int(jnp.finfo(dtype).maxexp) // 2
+    # 2^(2s) and 2^(-2s) are normal: each scaling back is one multiplication (XLA folds a chain
+    # of constant factors into one, which would underflow)
+    return (int(jnp.finfo(dtype).maxexp) - 3) // 2
 
 
 @jax.custom_jvp
@@ -204,14 +206,14 @@ def _safe_pow_jvp(primals, tangents):
     half = jnp.power(x, 0.5 * ym1) * 2.0 ** s
     sq, sq_lo = _k.two_prod(half, half)
     low = jnp.abs(p) < tiny
-    lowv = ((y * sq + (y * sq_lo + (y * sq) * corr)) * 2.0 ** -s) * 2.0 ** -s
+    lowv = (y * sq + (y * sq_lo + (y * sq) * corr)) * 2.0 ** (-2 * s)
     dx = jnp.where(low, lowv, jnp.where(corr == 0, dx, dx + dx * corr))  # corr == 0: dx may be inf
     dx = jnp.where(y0, 0.0, dx)
     # x^y can overflow where x^y log x does not (|log x| < 1): take it as h^2 log x, h = x^(y/2),
     # h^2 exact on h 2^-s and scaled back at the end.
     half_y = jnp.power(x, 0.5 * y) * 2.0 ** -s
     hq, hq_lo = _k.two_prod(half_y, half_y)
-    big = ((hq * log_x + hq_lo * log_x) * 2.0 ** s) * 2.0 ** s
+    big = (hq * log_x + hq_lo * log_x) * 2.0 ** (2 * s)
     dy = jnp.where(jnp.isinf(out) & jnp.isfinite(x) & jnp.isfinite(y), big, out * log_x)
     dy = jnp.where(x0 & (y >= 0), 0.0, jnp.where(x0, -jnp.inf, dy))
     return out, tx * dx + ty * dy
