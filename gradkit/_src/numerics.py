@@ -449,55 +449,63 @@ def two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
     return s, (a - (s - bb)) + (b - bb)
 
 
-_SPLITTER = {np.dtype(np.float32): 4097.0, np.dtype(np.float64): 134217729.0}  # 2^ceil(p/2) + 1
+# XLA:CPU fuses a*b + c into a fused multiply-add wherever LLVM finds one, also when a*b has
+# other uses, and computes a value again in each fusion that needs it. An error-free
+# transformation written with a rounded product (Dekker's a*b - p, Veltkamp's c - (c - a) with
+# c = a*s) then silently loses its low part. Here products are only ever exact (of halves
+# split by masking bits), so a fused multiply-add changes nothing.
+_SPLIT_MASK = {np.dtype(np.float32): (np.int32, np.int32(-(1 << 12))),  # keep 12 of 24 bits
+               np.dtype(np.float64): (np.int64, np.int64(-(1 << 27)))}  # keep 26 of 53 bits
 
 
 def _split(a: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``a = hi + lo`` with half the significand in each (Veltkamp), for ``|a|`` far below the overflow."""
-    c = a * _SPLITTER[np.dtype(a.dtype)]
-    hi = c - (c - a)
+    """``a = hi + lo`` with ``hi`` the upper half of the significand (its low bits masked), ``lo`` exact.
+
+    Products of halves are exact (float64: all but ``lo * lo``, within
+    2^-106 of the product).
+    """
+    itype, mask = _SPLIT_MASK[np.dtype(a.dtype)]
+    hi = lax.bitcast_convert_type(lax.bitcast_convert_type(a, itype) & mask, a.dtype)
     return hi, a - hi
 
 
 def two_prod(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``a b = p + lo`` exactly (Dekker; XLA:CPU has no fused multiply-add to do it in two operations)."""
-    p = a * b
+    """``a b = p + lo`` exactly, ``p`` within an ULP of ``a b`` (from exact partial products).
+
+    ``p`` is not always the rounded ``a b``; it is always consistent with
+    ``lo``, whatever XLA fuses.
+    """
     ah, al = _split(a)
     bh, bl = _split(b)
-    return p, ((ah * bh - p) + ah * bl + al * bh) + al * bl
+    mid, mid_lo = two_sum(ah * bl, al * bh)
+    p, e = two_sum(ah * bh, mid)
+    return p, e + (mid_lo + al * bl)
 
 
 def prod_lo(a: jax.Array, b: jax.Array, p: jax.Array) -> jax.Array:
-    """``a b - p`` exactly, for any ``p`` within an ULP of ``a b`` (Dekker's error term, from the given ``p``).
+    """``a b - p``, for a given ``p`` within an ULP of ``a b`` (a select's output, not a bare ``a * b``).
 
     With ``p`` the very value a caller goes on to use, the pair ``(p, lo)`` is
     consistent even where XLA recomputes ``a b`` in another fusion.
     """
     ah, al = _split(a)
     bh, bl = _split(b)
-    return ((ah * bh - p) + ah * bl + al * bh) + al * bl
+    mid, mid_lo = two_sum(ah * bl, al * bh)
+    return ((ah * bh - p) + mid) + (mid_lo + al * bl)
 
 
 def square_one_plus(e: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(1 + e)^2 = S + S_lo`` for ``0 <= e <= 1``, with ``|S_lo| <= ulp(S)`` and an error below ``ulp(S)/8``.
-
-    With ``s = fl(1 + e)``, ``s_lo`` its rounding error and ``a = s - 1``
-    (exact): ``s^2 = 1 + 2a + a^2``, and ``(1 - S) + 2a`` is exact (every
-    term is a multiple of ``ulp(1)`` below 2), so only ``a^2`` is rounded.
-    """
+    """``(1 + e)^2 = S + S_lo`` for ``0 <= e <= 1``: ``s = fl(1 + e)`` squared exactly, plus ``2 s s_lo``."""
     s = 1.0 + e
-    one = one_of(s)
-    a = s - one
-    big = s * s
-    lo = ((one - big) + 2.0 * a) + a * a
+    big, lo = two_prod(s, s)
     return big, lo + 2.0 * s * sum_lo(e, s)
 
 
 def div_df(num: jax.Array, num_lo: jax.Array | float, den: jax.Array, den_lo: jax.Array | float) -> jax.Array:
     """``(num + num_lo) / (den + den_lo)`` rounded once: ``y = num / den`` plus its exact residual over ``den``.
 
-    The residual ``(num + num_lo) - y (den + den_lo)`` is taken with an exact
-    product, so it is right for whatever ``y`` was computed: XLA may compute
+    The residual ``(num + num_lo) - y (den + den_lo)`` is taken from exact
+    partial products, so it is right for whatever ``y`` was computed: XLA may compute
     the division in one fusion and its correction in another, where
     ``den`` is recomputed and (with a fused multiply-add there) rounds
     differently; a correction written as ``-num den_lo / den^2`` would then
@@ -513,8 +521,11 @@ def div_df(num: jax.Array, num_lo: jax.Array | float, den: jax.Array, den_lo: ja
     ay, ad = jnp.abs(y), jnp.abs(den)
     ok = (ay < hi) & (ad < hi) & (ay > lo) & (ad > lo)
     ys, ds = jnp.where(ok, y, 0.0), jnp.where(ok, den, 1.0)
-    p, p_lo = two_prod(ys, ds)
-    res = ((num - p) - p_lo) + (num_lo - ys * den_lo)
+    yh, yl = _split(ys)
+    dh, dl = _split(ds)
+    # num - y den exactly: num - yh dh is exact (Sterbenz), the other partial products are small
+    mid, mid_lo = two_sum(yh * dl, yl * dh)
+    res = (((num - yh * dh) - mid) - (mid_lo + yl * dl)) + (num_lo - ys * den_lo)
     r = recip_approx(jnp.abs(ds)) * jnp.sign(ds)
     return jnp.where(ok, y + res * r, y)
 

@@ -191,10 +191,12 @@ def softmax(x: ArrayLike, axis: Any = -1, where: ArrayLike | None = None) -> Arr
 def log_softmax(x: ArrayLike, axis: Any = -1, where: ArrayLike | None = None) -> Array:
     """``x - logsumexp(x)`` over ``axis``, finite for infinite inputs.
 
-    Same values as ``jax.nn.log_softmax`` for finite inputs; where JAX gives
-    ``inf - inf = NaN`` (an input ``+inf``, or all ``-inf``) this returns the
-    limit along equal inputs. Masked entries are ``-inf`` with a zero
-    derivative.
+    Naive: ``x - jnp.log(jnp.sum(jnp.exp(x)))`` overflows; ``jax.nn.log_softmax``
+    subtracts the maximum but gives ``inf - inf = NaN`` (value and gradient)
+    where an input is ``+inf`` or all are ``-inf``. Same values as JAX for
+    finite inputs; at those points this returns the limit along equal inputs,
+    with the derivative ``t - sum(softmax(x) t)``. Masked entries are ``-inf``
+    with a zero derivative.
 
     Examples:
       >>> import jax.numpy as jnp, gradkit as gk
