@@ -5,10 +5,13 @@ target it by name, built around a ``jax.custom_jvp``, so forward mode,
 ``jax.hessian`` and every higher order work. Derivatives are written with
 accurate kernels (``gradkit/_src/numerics.py``): on XLA:CPU the elementwise
 gradients have no non-finite value where the true derivative is finite, and
-are within 2 ULP over the whole float32 range, except silu and hypot
-(up to 2.3 ULP: XLA's ``exp`` alone is off by 0.84 ULP) and sinc next to the
-zeros of its derivative (an error relative to a value near 0).
-``benchmarks/accuracy.py`` measures all of them against mpmath.
+are within 2 ULP over the whole float32 range (sinc' next to its zeros
+included), float64 too, except ``safe_pow`` in two bands a factor of 2 wide
+where its power under- or overflows (up to 2.5 ULP). Where a derivative is a
+small difference of large terms, or a quotient that a rounded ``exp`` or
+``1 + e`` would spoil, it is computed as a value plus its rounding error
+(error-free sums and products) and rounded once. ``benchmarks/accuracy.py``
+measures all of them against mpmath.
 
 Each docstring gives the naive formula, where it (or its gradient) breaks,
 and what the function does there. Conventions at points where the true

@@ -5,17 +5,23 @@ kernels, so every order of differentiation is finite and accurate, and every
 branch is guarded ("double where"), so an unselected branch never feeds an
 ``inf`` or ``NaN`` into a derivative.
 
-Why not the XLA primitives directly: on XLA:CPU (jax 0.10.2) ``expm1`` is off
-by up to 4.5 ULP in float32, ``tanh`` by 3.9 (float32) / 6.5 (float64) ULP,
-``log1p`` by 127 ULP in float64 on [-0.5, -0.25], and ``sin(pi * x)`` loses all
-accuracy for large ``x``. The kernels below use short Taylor series where the
-primitive cancels and exact argument reductions elsewhere; the accuracy
-benchmark (``benchmarks/accuracy.py``) measures the result.
+Why not the XLA primitives directly: on XLA:CPU ``expm1`` is off by up to
+4.5 ULP in float32, ``tanh`` by 3.9 (float32) / 6.5 (float64) ULP, ``log1p`` by
+2.4 ULP in float32 and 127 ULP in float64, ``exp`` by 1 (float32) / 1.36
+(float64) ULP, and ``sin(pi * x)`` loses all accuracy for large ``x``. The
+kernels below use short Taylor series where the primitive cancels, exact
+argument reductions, and error-free transformations (a value and its
+rounding error: :func:`two_sum`, :func:`two_prod`, :func:`div_df`) where a
+result must be rounded once; the accuracy benchmark
+(``benchmarks/accuracy.py``) measures the result.
 
-XLA's algebraic simplifier rewrites ``(a + c) - c`` to ``a`` when ``c`` is a
-constant, which silently breaks error-free transformations (TwoSum); the one
-place that needs one (:func:`two_diff`) puts an ``optimization_barrier``
-between the sum and the subtraction.
+Two XLA behaviours break error-free transformations silently, and the code
+below is written around them: the algebraic simplifier rewrites
+``(a + c) - c`` to ``a`` for a constant ``c`` (jax < 0.12; hence
+:func:`one_of`), and XLA:CPU fuses ``a * b + c`` into a fused multiply-add
+wherever LLVM finds one, and computes a value again in each fusion that needs
+it (hence products only of exact halves, and low parts computed from the very
+value they belong to).
 """
 
 from __future__ import annotations

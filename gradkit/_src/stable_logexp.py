@@ -9,9 +9,10 @@ from jax.typing import ArrayLike
 
 from gradkit._src import numerics as _k
 from gradkit._src.named import op as _op
+from gradkit._src.stable_util import split_constant
 
 Array = jax.Array
-_LN2 = float(np.log(2.0))
+_LN2_DIGITS = "0.693147180559945309417232121458176568075500134360255254120680"
 
 
 def _sigmoid_of_difference(x: Array, y: Array) -> tuple[Array, Array]:
@@ -104,8 +105,9 @@ def log1mexp(x: ArrayLike) -> Array:
     Naive: ``jnp.log(1 - jnp.exp(-x))`` cancels for small ``x`` (``1e-8``
     gives ``-inf`` in float32) and loses ``exp(-x)`` for large ``x``. This
     computes the derivative ``g = 1 / expm1(x)`` without cancellation (a
-    Taylor series of ``expm1`` below ``log 2``, ``e^-x / (1 - e^-x)`` above)
-    and the value as ``-log1p(g)`` (``1 - e^-x = 1 / (1 + g)``; well
+    Taylor series of ``expm1`` below ``log 2``, ``e^-x / (1 - e^-x)`` above,
+    with ``1 - e^-x`` and ``exp``'s rounding error taken exactly, so that the
+    quotient is rounded once: within 1 ULP) and the value as ``-log1p(g)`` (``1 - e^-x = 1 / (1 + g)``; well
     conditioned for every ``x > 0``). ``g`` is finite for every ``x > 0`` and
     ``+inf`` at 0.
 
@@ -156,7 +158,13 @@ def log_sub_exp(x: ArrayLike, y: ArrayLike) -> Array:
 
 @jax.custom_jvp
 def _softplus_inverse(x):
-    return x + jnp.log(-_k.expm1(-x))
+    # The value is 0 at x = log 2, where x + log(1 - e^-x) cancels; there use
+    # log(e^x - 1) = log1p(e^x - 2) = log1p(2 expm1(x - log 2)), with x - log 2 exact enough.
+    ln2_hi, ln2_lo = split_constant(_LN2_DIGITS, x.dtype)
+    d = (x - ln2_hi) - ln2_lo
+    near = jnp.abs(d) < 0.25
+    around = _k.log1p(2.0 * _k.expm1(jnp.where(near, d, 0.0)))
+    return jnp.where(near, around, x + jnp.log(-_k.expm1(-x)))
 
 
 @_softplus_inverse.defjvp

@@ -227,7 +227,10 @@ def safe_pow(x: ArrayLike, y: ArrayLike) -> Array:
     and ``d/dy = x^y log x`` is ``0 * -inf = NaN`` at ``x = 0``. Here
     ``d/dx`` is 0 where ``y == 0`` and ``d/dy`` is 0 where ``x == 0`` and
     ``y ≥ 0`` (PyTorch's conventions). ``d/dx`` stays ``+inf`` at
-    ``x = 0, 0 < y < 1``, where the true derivative is infinite.
+    ``x = 0, 0 < y < 1``, where the true derivative is infinite. Elsewhere
+    ``d/dx`` corrects for the rounding of ``y - 1`` (whose error ``x^(y-1)``
+    would multiply by ``log x``), and both partials stay finite where
+    ``x^(y-1)`` underflows or ``x^y`` overflows but the derivative does not.
 
     Examples:
       >>> import jax, gradkit as gk
