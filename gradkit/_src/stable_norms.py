@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.typing import ArrayLike
 
 from gradkit._src import numerics as _k
@@ -31,13 +32,22 @@ def _hypot_jvp(primals, tangents):
     m = jnp.maximum(jnp.abs(x), jnp.abs(y))
     ok = jnp.isfinite(m) & (m > 0)
     scale = _k.pow2_floor(jnp.where(ok, m, 1.0))
-    xs = jnp.where(ok, x, 1.0) / scale
-    ys = jnp.where(ok, y, 1.0) / scale
-    hs = jnp.sqrt(xs * xs + ys * ys)
+    # the barrier stops XLA from merging (x / s) / h into x / (s h), which overflows
+    xs, ys = lax.optimization_barrier((jnp.where(ok, x, 1.0) / scale, jnp.where(ok, y, 1.0) / scale))
+    # (x, y) / hypot: the squares and their sum exactly, the square root corrected by one Newton
+    # step on that sum, each quotient rounded once (the rounded x^2 + y^2 and sqrt cost up to 2 ULP)
+    sq, sq_lo = _k.two_prod(xs, xs)
+    sq2, sq2_lo = _k.two_prod(ys, ys)
+    big, big_lo = _k.two_sum(sq, sq2)
+    big_lo = big_lo + (sq_lo + sq2_lo)
+    hs = jnp.sqrt(big)
+    hs_lo = (big_lo - _k.prod_lo(hs, hs, big)) * (0.5 / hs)
     inf = jnp.isinf(m)
     n_inf = jnp.where(jnp.isinf(x), 1.0, 0.0) + jnp.where(jnp.isinf(y), 1.0, 0.0)
-    ux = jnp.where(ok, xs / hs, jnp.where(inf, jnp.where(jnp.isinf(x), jnp.sign(x), 0.0) / jnp.sqrt(n_inf), 0.0))
-    uy = jnp.where(ok, ys / hs, jnp.where(inf, jnp.where(jnp.isinf(y), jnp.sign(y), 0.0) / jnp.sqrt(n_inf), 0.0))
+    ux = jnp.where(ok, _k.div_df(xs, 0.0, hs, hs_lo),
+                   jnp.where(inf, jnp.where(jnp.isinf(x), jnp.sign(x), 0.0) / jnp.sqrt(n_inf), 0.0))
+    uy = jnp.where(ok, _k.div_df(ys, 0.0, hs, hs_lo),
+                   jnp.where(inf, jnp.where(jnp.isinf(y), jnp.sign(y), 0.0) / jnp.sqrt(n_inf), 0.0))
     nan = jnp.isnan(m)
     ux = jnp.where(nan, m, ux)
     uy = jnp.where(nan, m, uy)
