@@ -161,7 +161,7 @@ def _softplus_inverse(x):
     # The value is 0 at x = log 2, where x + log(1 - e^-x) cancels; there use
     # log(e^x - 1) = log1p(e^x - 2) = log1p(2 expm1(x - log 2)), with x - log 2 exact enough.
     ln2_hi, ln2_lo = split_constant(_LN2_DIGITS, x.dtype)
-    d = (x - ln2_hi) - ln2_lo
+    d = (x - ln2_hi) - ln2_lo * _k.one_of(jnp.abs(x) + 1.0)  # XLA would fold the two constants into one
     near = jnp.abs(d) < 0.25
     around = _k.log1p(2.0 * _k.expm1(jnp.where(near, d, 0.0)))
     return jnp.where(near, around, x + jnp.log(-_k.expm1(-x)))

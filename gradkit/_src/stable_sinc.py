@@ -195,10 +195,13 @@ def _near_zeros(a: jax.Array, out: jax.Array) -> jax.Array:
     for n in range(1, _WINDOWED + 1):
         z_hi, z_lo, c1, c1_lo, c2, c3, c4 = (float(col[n]) for col in _zero_tables(a.dtype))
         dh = a - z_hi  # exact next to z
-        d = dh - z_lo
-        d_lo = (dh - d) - z_lo
-        poly = c1 + (c1_lo + d * (c2 + d * (c3 + d * c4)))
-        out = jnp.where(jnp.abs(dh) < _ZERO_WINDOW, d * poly + d_lo * c1, out)
+        one = _k.one_of(jnp.abs(dh) + 1.0)  # XLA (jax < 0.12) folds (a - z_hi) - z_lo into a - (z_hi + z_lo)
+        d = dh - z_lo * one
+        d_lo = (dh - d) - z_lo * one
+        # c1_lo enters through a product: XLA (jax < 0.12) folds c1 + (c1_lo + t) into (c1 + c1_lo) + t
+        poly = c1 + d * (c2 + d * (c3 + d * c4))
+        p, p_lo = _k.two_prod(d, poly)  # rounded once, whether or not XLA fuses a multiply-add here
+        out = jnp.where(jnp.abs(dh) < _ZERO_WINDOW, p + (p_lo + (d * c1_lo + d_lo * c1)), out)
     return out
 
 
