@@ -143,13 +143,21 @@ def test_unary_property_extreme_inputs(name, x):
 
 @pytest.mark.parametrize("name", sorted(UNARY))
 def test_unary_jit_and_vmap_agree_with_eager(name):
+    """Within 1 ULP: XLA:CPU fuses a*b + c into a fused multiply-add in some programs and not in
+    others (jax 0.8's tanh kernel differs in the last bit between a scalar and a vector call)."""
     fn = UNARY[name][0]
     xs = np.asarray([x for x in EXTREMES if np.isfinite(x)], np.float32)
     eager_v = np.stack([np.asarray(fn(x)) for x in xs])
     eager_g = np.stack([np.asarray(jax.grad(fn)(x)) for x in xs])
-    np.testing.assert_array_equal(np.asarray(jax.jit(jax.vmap(fn))(xs)), eager_v)
-    np.testing.assert_array_equal(np.asarray(jax.jit(jax.vmap(jax.grad(fn)))(xs)), eager_g)
-    np.testing.assert_array_equal(np.asarray(fn(xs)), eager_v)
+
+    def close(got, want):
+        got, want = np.asarray(got), np.asarray(want)
+        same = (got == want) | (np.isnan(got) & np.isnan(want))
+        assert all(s or _ulps(a, b, np.float32) <= 1.0 for s, a, b in zip(same, got, want)), (name, got, want)
+
+    close(jax.jit(jax.vmap(fn))(xs), eager_v)
+    close(jax.jit(jax.vmap(jax.grad(fn)))(xs), eager_g)
+    close(fn(xs), eager_v)
 
 
 # Where the formulas change branch or scheme: silu's root window (|x - r| = 1/4), log_cosh and
