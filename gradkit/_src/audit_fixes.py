@@ -246,7 +246,7 @@ def apply_fix(cand: Candidate, prog: Program, fn: Any, table: Any, closed: Any) 
             fixed_flat = prog.with_fn(override(fn, cand.table if table is None else (table | cand.table))).flat()
         else:
             fixed = patched_program(closed, cand.patches or ())
-            fixed_flat = lambda *d: compat.eval_jaxpr(fixed, d)  # noqa: E731
+            fixed_flat = lambda *d: compat.eval_jaxpr(fixed, d)
         _, grads = gradient(fixed_flat, prog.dyn)
     except Exception as e:  # the fix does not apply to this program: say so, keep looking
         return dataclasses.replace(fx, applied=False, note=f"re-run failed: {type(e).__name__}: {one_line(str(e))}")
@@ -310,7 +310,7 @@ def fd_check(prog: Program, grads: Sequence[np.ndarray], max_coords: int = 256
                 def total(v: jax.Array, pos: int = pos) -> jax.Array:
                     d = list(dyn64)
                     d[pos] = v
-                    return sum(jnp.sum(o.astype(jnp.float64)) for o in prog64.call(d))
+                    return jnp.asarray(sum(jnp.sum(o.astype(jnp.float64)) for o in prog64.call(d)))
 
                 coords = select_coords(x.size, max_coords)
                 step = 1e-6 * np.maximum(1.0, np.abs(np.asarray(x).reshape(-1)[coords]))
@@ -332,7 +332,8 @@ def fd_check(prog: Program, grads: Sequence[np.ndarray], max_coords: int = 256
                 rel = relative_error(gu, c, atol / rtol)
                 worst = max(worst, float(np.max(rel)))
     except Exception as e:  # the function does not run in float64: no comparison, and the report says why
-        return None, None, compared, excluded, f"finite differences in float64 failed: {type(e).__name__}: {one_line(str(e))}"
+        return None, None, compared, excluded, (f"finite differences in float64 failed: "
+                                              f"{type(e).__name__}: {one_line(str(e))}")
     if compared == 0:
         return None, None, 0, excluded, "no element where finite differences are defined"
     return ok, worst, compared, excluded, ""

@@ -61,7 +61,8 @@ class Rule:
                 f"rule {self.name or '<unnamed>'}: expected a callable `fn(op, g)`, got "
                 f"{type(self.fn).__name__}. Pass a function to gk.vjp_rule / gk.jvp_rule.")
         if self.mode not in ("vjp", "jvp"):
-            raise GradkitError(f"rule {self.name or _qualname(self.fn)}: mode must be 'vjp' or 'jvp', got {self.mode!r}.")
+            raise GradkitError(f"rule {self.name or _qualname(self.fn)}: mode must be 'vjp' or 'jvp', "
+                               f"got {self.mode!r}.")
         if not self.name:
             object.__setattr__(self, "name", _qualname(self.fn))
         if not self.key:
