@@ -101,7 +101,7 @@ def _iterations(its: Sequence[int], n: int) -> str:
     return f"iterations {shown}{of}"
 
 
-def _span(eqn: Any, ctx: Sequence[Context] = ()) -> tuple[str, int, str, int, int] | None:
+def _span(eqn: compat.JaxprEqn, ctx: Sequence[Context] = ()) -> tuple[str, int, str, int, int] | None:
     """The user source span of ``eqn``, else of the innermost enclosing jit/scan/cond that has one."""
     span = compat.source_span(eqn)
     for c in reversed(list(ctx)):
@@ -111,13 +111,13 @@ def _span(eqn: Any, ctx: Sequence[Context] = ()) -> tuple[str, int, str, int, in
     return span
 
 
-def loc(eqn: Any, ctx: Sequence[Context] = ()) -> str:
+def loc(eqn: compat.JaxprEqn, ctx: Sequence[Context] = ()) -> str:
     """``file.py:12`` of ``eqn``'s user source line."""
     span = _span(eqn, ctx)
     return f"{short_path(span[0])}:{span[1]}" if span else "unknown source line"
 
 
-def _code(eqn: Any, ctx: Sequence[Context] = ()) -> str:
+def _code(eqn: compat.JaxprEqn, ctx: Sequence[Context] = ()) -> str:
     span = _span(eqn, ctx)
     if not span:
         return ""
@@ -131,7 +131,7 @@ def _code(eqn: Any, ctx: Sequence[Context] = ()) -> str:
     return out
 
 
-def callee(eqn: Any) -> str:
+def callee(eqn: compat.JaxprEqn) -> str:
     """The library function (``logsumexp``, ``norm``) the user's line called to make ``eqn``, or ""."""
     c = compat.library_callee(eqn)
     if c is None:
@@ -354,7 +354,7 @@ def _rule_detail(sel: Selection) -> str:
     return " (" + ", ".join(parts) + ")"
 
 
-def _partial(occ: Occurrence, eqn: Any, k: int, mask: np.ndarray) -> np.ndarray | None:
+def _partial(occ: Occurrence, eqn: compat.JaxprEqn, k: int, mask: np.ndarray) -> np.ndarray | None:
     """∂eqn/∂operand k at the masked elements (a JVP with a ones tangent)."""
     invals = list(occ.invals)
 

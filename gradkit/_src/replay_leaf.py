@@ -73,13 +73,13 @@ class Leaf:
 
     # ------------------------------------------------------------------ forward
 
-    def forward(self, rp: Any, frame: Frame, idx: int, eqn: Any, invals: list[Any], act_in: list[bool],
+    def forward(self, rp: Any, frame: Frame, idx: int, eqn: compat.JaxprEqn, invals: list[Any], act_in: list[bool],
                 labels: list[Label | None]) -> tuple[list[Any], list[Label | None]]:
         with compat.source_of(eqn):
             outs = compat.bind(eqn, invals)
         return outs, self.forward_labels(rp, frame.ctx, eqn, invals, labels, outs)
 
-    def forward_labels(self, rp: Any, ctx: tuple[Context, ...], eqn: Any, invals: list[Any],
+    def forward_labels(self, rp: Any, ctx: tuple[Context, ...], eqn: compat.JaxprEqn, invals: list[Any],
                        labels: list[Label | None], outs: list[Any]) -> list[Label | None]:
         bad = [nonfinite_mask(o) for o in outs]
         if not any(m is not None and m.any() for m in bad):
@@ -126,7 +126,7 @@ class Leaf:
         return result
 
     @staticmethod
-    def _births(rp: Any, eqn: Any, phase: str, ctx: tuple[Context, ...], pos: int, label: np.ndarray,
+    def _births(rp: Any, eqn: compat.JaxprEqn, phase: str, ctx: tuple[Context, ...], pos: int, label: np.ndarray,
                 born: dict[str, np.ndarray], values: dict[str, Any]) -> None:
         for kind in ("nan", "inf"):
             if born[kind].any():
@@ -134,7 +134,7 @@ class Leaf:
 
     # ------------------------------------------------------------------ backward
 
-    def backward(self, rp: Any, frame: Frame, idx: int, eqn: Any, out_cts: list[Ct]) -> list[Ct]:
+    def backward(self, rp: Any, frame: Frame, idx: int, eqn: compat.JaxprEqn, out_cts: list[Ct]) -> list[Ct]:
         invals = [frame.read(a) for a in eqn.invars]
         dyn = tuple(k for k, a in enumerate(eqn.invars) if frame.is_active(a) and is_float_aval(a.aval))
         if not dyn:
