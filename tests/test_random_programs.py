@@ -280,7 +280,9 @@ def test_empty_table_gives_plain_derivatives_bit_for_bit(tree, seed, jit):
     forward = has_while(tree)
     wrap = jax.jit if jit else (lambda h: h)
     got = wrap(lambda x: derivative(gk.override(f, {}), x, forward))(x)
-    _same(got, wrap(lambda x: derivative(f, x, forward))(x), "empty table", tree)
+    # The contract: override(f, {}) is jax.jit(f). Eager, jit(f)'s derivative runs compiled, and XLA's
+    # fused tanh' may differ in the last bit from the op-by-op one, so the reference is jit(f) too.
+    _same(got, wrap(lambda x: derivative(jax.jit(f), x, forward))(x), "empty table", tree)
     CHECKED["empty_table"] += 1
 
 
