@@ -704,3 +704,10 @@ def is_forward_mode_tracer(x: Any) -> bool:
         return False
     tangent = x.tangent
     return not isinstance(tangent, (ad.Zero, pe.JaxprTracer))
+
+
+# --------------------------------------------------------------------------- gk.guard (guard.py)
+
+#: The logger JAX reports a failing host callback on (``jax/_src/callback.py``, before it re-raises):
+#: gk.guard's raise mode filters out its own exception there, since the raise carries the report.
+CALLBACK_LOGGER: str = "jax._src.callback"
