@@ -349,3 +349,28 @@ def test_user_errors_keep_their_type(maybe_jit):
 
     with pytest.raises(KeyError, match="missing batch field"):
         maybe_jit(gk.guard(broken))(jnp.ones(2))
+
+
+# --------------------------------------------------------------------------- the check itself
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_the_check_is_exact(maybe_jit, dtype):
+    from gradkit._src.guard_host import all_finite
+
+    check = maybe_jit(lambda leaves: all_finite(leaves))
+    big = jnp.full((64,), jnp.finfo(dtype).max, dtype)  # huge but finite: a plain sum would overflow
+    assert bool(check([big, jnp.ones(3, dtype)]))
+    for bad in (jnp.inf, -jnp.inf, jnp.nan):
+        assert not bool(check([big, jnp.ones(3, dtype).at[1].set(bad)]))
+    assert bool(check([jnp.arange(3)]))  # integer leaves have nothing to check
+
+
+def test_the_check_sees_an_overflowed_matmul_element():
+    from gradkit._src.guard_host import all_finite
+
+    # h.T @ d overflows in one element although h and d are finite; XLA may rewrite sum(h.T @ d)
+    h = jnp.zeros((4, 3), jnp.float32).at[0, 0].set(3e38)
+    d = jnp.zeros((4, 2), jnp.float32).at[0, 0].set(2.0).at[0, 1].set(-2.0)
+    ok = jax.jit(lambda h, d: all_finite([h.T @ d]))(h, d)
+    assert not np.all(np.isfinite(np.asarray(h.T @ d))) and not bool(ok)

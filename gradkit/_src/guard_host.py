@@ -1,8 +1,6 @@
 """The device side of ``gk.guard``: the finiteness check, and the host callback that runs only for bad calls.
 
-The check is one reduction per leaf (``min(isfinite(x))`` as ``int8``: no
-floating-point arithmetic, so XLA cannot reassociate it the way it may
-rewrite ``sum(h.T @ d)`` as ``sum(h) @ sum(d)`` and lose an overflow).
+The check is one fused ``sum(|x| * 0)`` per leaf (see :func:`all_finite`).
 
 The callback sits in the false branch of a ``lax.cond`` on the check, so a
 finite call transfers nothing. Under ``vmap`` a ``cond`` with a batched
@@ -33,14 +31,24 @@ Host = Callable[..., None]
 
 
 def all_finite(leaves: Sequence[Any]) -> Any:
-    """One boolean scalar: every element of every inexact leaf is finite."""
-    flags = [jnp.min(jnp.isfinite(x).astype(jnp.int8)) for x in leaves
-             if jnp.issubdtype(jnp.result_type(x), jnp.inexact) and np.size(x)]
-    if not flags:
+    """One boolean scalar: every element of every inexact leaf is finite.
+
+    ``sum(|x| * 0)`` per leaf, one fused read: 0 while every element is
+    finite, NaN as soon as one is not (``inf * 0`` and NaN propagate through
+    a sum of zeros, which cannot overflow). ``abs`` keeps XLA from moving the
+    ``* 0`` into a ``dot`` that produced ``x`` and rewriting the sum of the
+    ``dot`` as a ``dot`` of sums, which would miss an element that overflowed.
+    """
+    zeros = []
+    for x in leaves:
+        dtype = jnp.result_type(x)
+        if jnp.issubdtype(dtype, jnp.inexact) and np.size(x):
+            a = jnp.abs(x)
+            acc = jnp.float64 if jnp.finfo(dtype).bits > 32 else jnp.float32
+            zeros.append(jnp.sum(a * jnp.zeros((), a.dtype), dtype=acc).astype(jnp.float32))
+    if not zeros:
         return jnp.bool_(True)
-    if len(flags) == 1:
-        return flags[0] > 0
-    return jnp.min(jnp.stack(flags)) > 0
+    return jnp.isfinite(zeros[0] if len(zeros) == 1 else jnp.sum(jnp.stack(zeros)))
 
 
 def _reporter(host: Host, levels: tuple[tuple[bool, ...], ...]) -> Callable[..., Any]:
