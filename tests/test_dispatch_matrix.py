@@ -17,6 +17,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import gradkit as gk
 
+pytestmark = pytest.mark.slow  # a long matrix: `pytest -m slow` (CI runs it)
+
 # --------------------------------------------------------------------------- rules
 
 VJP_SIN = gk.vjp_rule(lambda op, g: (g * 2.0 * jnp.cos(op.inputs[0]),))

@@ -16,6 +16,8 @@ from nbclient import NotebookClient
 from gradkit._src.describe import short_path as display_file
 from gradkit._src.sourcepath import notebook_cell
 
+pytestmark = pytest.mark.slow  # a long matrix: `pytest -m slow` (CI runs it)
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 

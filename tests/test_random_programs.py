@@ -21,6 +21,7 @@ CI runs ~200 programs (deterministic); ``GRADKIT_NIGHTLY=1`` runs thousands,
 randomly seeded.
 """
 
+import pytest
 import functools
 import os
 
@@ -32,6 +33,8 @@ from hypothesis import strategies as st
 from jax import lax
 
 import gradkit as gk
+
+pytestmark = pytest.mark.slow  # a long matrix: `pytest -m slow` (CI runs it)
 
 NIGHTLY = os.environ.get("GRADKIT_NIGHTLY", "") not in ("", "0")
 SETTINGS = dict(deadline=None, database=None, derandomize=not NIGHTLY,

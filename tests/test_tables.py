@@ -324,6 +324,7 @@ def test_every_stable_entry_matches_and_gives_the_stable_gradient(name, maybe_ji
     np.testing.assert_array_equal(np.asarray(g(x)), np.asarray(jax.jit(f)(x)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(STABLE_TARGETS))
 def test_every_stable_entry_serves_every_mode(name, maybe_jit):
     """Forward and reverse agree (jvp, jacfwd, jacrev, grad), and so do both Hessians, under jit and vmap."""
@@ -409,6 +410,7 @@ def test_tables_compose_and_describe():
 # ----------------------------------------------------------------------------- SAFE in every mode: checks
 
 
+@pytest.mark.slow
 def test_safe_passes_check_grads_to_second_order_wherever_the_plain_gradient_is_finite():
     """gk.check_grads(override(f, SAFE), order=2): both modes, against float64 finite differences."""
     x = jnp.array([0.3, 0.7, 1.6])

@@ -28,6 +28,8 @@ from jax import lax
 import gradkit as gk
 from gradkit import tables
 
+pytestmark = pytest.mark.slow  # a long matrix: `pytest -m slow` (CI runs it)
+
 SAFE, STABLE, STE = tables.SAFE, tables.STABLE, tables.STRAIGHT_THROUGH
 
 

@@ -159,7 +159,7 @@ def forward_problem(static: ClosureStatic, cap_structs: Sequence[Any], out: Sequ
     problem = _affine_problem(static.fn, len(structs))
     if problem is not None:
         return problem
-    out_structs = [compat.aval_struct(v.aval) for v in static.fn.jaxpr.outvars]
+    out_structs = [compat.struct_of(v.aval) for v in static.fn.jaxpr.outvars]
 
     def transpose(cap: Sequence[Any], cts: Sequence[Any]) -> Any:
         return jax.linear_transpose(Closure(static, cap).linear, *structs)(tuple(cts))

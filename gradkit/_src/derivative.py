@@ -32,7 +32,7 @@ SymbolicZero = jax.custom_derivatives.SymbolicZero
 
 
 def _struct(x: Any) -> jax.ShapeDtypeStruct:
-    return compat.aval_struct(compat.aval_of(x))
+    return compat.struct_of(compat.aval_of(x))
 
 
 def _strip_tracebacks(e: BaseException) -> BaseException:
@@ -106,7 +106,7 @@ class Plan:
                 problem = f"its grad_fn raised {type(error).__name__}: {error}"
             else:
                 # The residuals' avals (weak types kept): the outputs of the residual jaxpr.
-                res_avals = [compat.aval_struct(v.aval) for v in res_fn.jaxpr.outvars]
+                res_avals = [compat.struct_of(v.aval) for v in res_fn.jaxpr.outvars]
                 reason = cl.forward_problem(static, res_avals, box[-1][1])
                 if reason is not None:
                     problem = f"its grad_fn is not linear in the upstream gradients: {reason}"

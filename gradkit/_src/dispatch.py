@@ -50,7 +50,11 @@ class _Entry:
     body: Any  # the rewritten program (the jit equation's body)
     out_tree: Any
     matched: Mapping[str, str]  # op name -> source line of its first match
-    user_custom_vjp: bool  # the program has custom_vjp functions of its own
+
+    def user_custom_vjp(self) -> bool:
+        """Whether the program has custom_vjp functions of its own (not gradkit's rules)."""
+        return any(e.primitive.name in compat.CUSTOM_VJP_PRIMITIVES and compat.rule_target(e) is None
+                   for e, _ in walk.equations(self.body, enter=lambda e: not compat.is_opaque(e)))
 
     def call(self, *dyn: Any) -> list[Any]:
         return compat.eval_jaxpr(self.outer, dyn)
@@ -58,6 +62,9 @@ class _Entry:
     @functools.cached_property
     def run(self) -> Callable[..., Any]:
         return jax.jit(self.call)
+
+
+_ARRAY = compat.ArrayImpl
 
 
 def _is_array(x: Any) -> bool:
@@ -107,6 +114,12 @@ class Overridden:
         return CacheInfo(self.trace_count, r.traced, r.reused)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if args and not kwargs:  # the common eager call: concrete arrays, no pytree to flatten
+            for a in args:
+                if type(a) is not _ARRAY:
+                    break
+            else:
+                return self._eager(*args)
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
         if leaves and all(isinstance(x, jax.Array) and not isinstance(x, compat.Tracer) for x in leaves):
             # Eager call with arrays only: jax.jit's C++ fast path; its trace
@@ -167,7 +180,7 @@ class Overridden:
         msg = (f"override({_fname(self._fn)}): forward-mode differentiation (jax.jvp, jacfwd, hessian's outer "
                f"jacfwd, linearize) reached an op with a VJP rule ({where}). gk.vjp_rule defines reverse mode "
                "only: use jax.grad / jax.vjp / jacrev, or give these ops a gk.jvp_rule (which serves both modes).")
-        if entry.user_custom_vjp:  # it may be the program's own custom_vjp: keep JAX's error, add the hint
+        if entry.user_custom_vjp():  # it may be the program's own custom_vjp: keep JAX's error, add the hint
             compat.add_note(e, "[gradkit] or: " + msg.split(": ", 1)[1])
             return
         raise GradkitError(msg) from e
@@ -211,9 +224,7 @@ class Overridden:
         new_body = walk.Rewrite(splicer)(body)
         if new_body is not body:
             outer = compat.replace_eqns(outer, [call.replace(params={**call.params, "jaxpr": new_body})])
-        user_vjp = any(e.primitive.name in compat.CUSTOM_VJP_PRIMITIVES and compat.rule_target(e) is None
-                       for e, _ in walk.equations(new_body, enter=lambda e: not compat.is_opaque(e)))
-        return _Entry(outer, new_body, out_box[0], dict(splicer.matched), user_vjp)
+        return _Entry(outer, new_body, out_box[0], dict(splicer.matched))
 
     def rewritten_jaxpr(self, *args: Any, **kwargs: Any) -> Any:
         """The program a call with these arguments runs, after the rewrite (for inspection).

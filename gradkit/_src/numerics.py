@@ -5,17 +5,23 @@ kernels, so every order of differentiation is finite and accurate, and every
 branch is guarded ("double where"), so an unselected branch never feeds an
 ``inf`` or ``NaN`` into a derivative.
 
-Why not the XLA primitives directly: on XLA:CPU (jax 0.10.2) ``expm1`` is off
-by up to 4.5 ULP in float32, ``tanh`` by 3.9 (float32) / 6.5 (float64) ULP,
-``log1p`` by 127 ULP in float64 on [-0.5, -0.25], and ``sin(pi * x)`` loses all
-accuracy for large ``x``. The kernels below use short Taylor series where the
-primitive cancels and exact argument reductions elsewhere; the accuracy
-benchmark (``benchmarks/accuracy.py``) measures the result.
+Why not the XLA primitives directly: on XLA:CPU ``expm1`` is off by up to
+4.5 ULP in float32, ``tanh`` by 3.9 (float32) / 6.5 (float64) ULP, ``log1p`` by
+2.4 ULP in float32 and 127 ULP in float64, ``exp`` by 1 (float32) / 1.36
+(float64) ULP, and ``sin(pi * x)`` loses all accuracy for large ``x``. The
+kernels below use short Taylor series where the primitive cancels, exact
+argument reductions, and error-free transformations (a value and its
+rounding error: :func:`two_sum`, :func:`two_prod`, :func:`div_df`) where a
+result must be rounded once; the accuracy benchmark
+(``benchmarks/accuracy.py``) measures the result.
 
-XLA's algebraic simplifier rewrites ``(a + c) - c`` to ``a`` when ``c`` is a
-constant, which silently breaks error-free transformations (TwoSum); the one
-place that needs one (:func:`two_diff`) puts an ``optimization_barrier``
-between the sum and the subtraction.
+Two XLA behaviours break error-free transformations silently, and the code
+below is written around them: the algebraic simplifier rewrites
+``(a + c) - c`` to ``a`` for a constant ``c`` (jax < 0.12; hence
+:func:`one_of`), and XLA:CPU fuses ``a * b + c`` into a fused multiply-add
+wherever LLVM finds one, and computes a value again in each fusion that needs
+it (hence products only of exact halves, and low parts computed from the very
+value they belong to).
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ def _lowp(fn):
         work = _work_dtype(dtype)
         if work == dtype:
             return fn(x, *rest)
+        rest = tuple(r.astype(work) if getattr(r, "dtype", None) == dtype else r for r in rest)
         return fn(x.astype(work), *rest).astype(dtype)
 
     return wrapper
@@ -131,23 +138,152 @@ def _expm1_jvp(primals, tangents):
     return expm1(x), t * jnp.exp(x)
 
 
+# log(f) = 2 atanh(s), s = (f - 1)/(f + 1): R = z (2/3 + 2z/5 + 2z^2/7 + ...), z = s^2 <= 0.0295.
+_LOG_R = [2.0 / (2 * i + 3) for i in range(16)]
+
+
 @jax.custom_jvp
 @_lowp
 def log1p(x: jax.Array) -> jax.Array:
-    """``log(1 + x)``; float64 avoids XLA's inaccurate log1p on [-0.5, -0.25]."""
-    if x.dtype != np.float64:
-        return jnp.log1p(x)
-    bad = (x >= -0.5) & (x < -0.25)
-    xb = jnp.where(bad, x, -0.375)
-    u = lax.optimization_barrier(1.0 + xb)
-    goldberg = jnp.log(u) * (xb / (u - 1.0))  # u - 1 is exact; its rounding cancels
-    return jnp.where(bad, goldberg, jnp.log1p(jnp.where(bad, 0.0, x)))
+    """``log(1 + x)`` within 1 ULP (XLA:CPU's is off by 2.4 ULP in float32, 127 in float64).
+
+    ``1 + x = 2^k (f + f_lo)`` exactly with ``f`` in [0.71, 1.42]; then
+    ``log(1 + x) = k log 2 + log f + f_lo / f``, and with ``g = f - 1``
+    (exact), ``s = g / (2 + g)``: ``log f = g - g^2/2 + s (g^2/2 + R)``, where
+    the large terms ``g`` and ``g^2/2`` are nearly exact and the rounded
+    ones are small (the classic arrangement of fdlibm's ``log1p``).
+    """
+    dtype = np.dtype(x.dtype)
+    u = 1.0 + x
+    u_lo = sum_lo(x, u)
+    mant, ex = jnp.frexp(u)
+    low = mant < math.sqrt(0.5)
+    f = jnp.where(low, 2.0 * mant, mant)
+    k = (ex - low.astype(ex.dtype)).astype(dtype)
+    g = f - 1.0
+    s = g / (2.0 + g)
+    z = s * s
+    n = _terms(_LOG_R, 0.0295, 1, _eps(dtype) / 8)
+    r = z * _horner(z, _LOG_R[:n])
+    hfsq = 0.5 * (g * g)
+    c1, c2 = _EXP[dtype][0], _EXP[dtype][1]  # log 2 = c1 + c2, k c1 exact
+    corr = u_lo / jnp.where(u > 0, u, 1.0)  # log(u + u_lo) - log(u); all of the result where x << eps
+    out = k * c1 - ((hfsq - (s * (hfsq + r) + (k * c2 + corr))) - g)
+    return jnp.where(u > 0, jnp.where(jnp.isinf(u), u, out), jnp.where(u == 0, -jnp.inf, jnp.nan))
 
 
 @log1p.defjvp
 def _log1p_jvp(primals, tangents):
     (x,), (t,) = primals, tangents
     return log1p(x), t / (1.0 + x)
+
+
+# exp(x) = 2^k exp(r), r = x - k log 2 (Cody and Waite: log 2 = C1 + C2 with C1 short
+# enough that k C1 is exact), exp(r) = 1 + r + r^2 (1/2 + r P(r)) on |r| <= log(2)/2 with a
+# Chebyshev fit P (error far below 0.01 ULP). The integer type builds 2^k from its bits.
+_EXP = {
+    np.dtype(np.float32): (0.693145751953125, 1.4286068203094173e-06, np.int32, 23, 127,
+                           (0.16666666666666666, 0.041666554532615786, 0.008333320877775163,
+                            0.001392619766942992, 0.0001988271397598067)),
+    np.dtype(np.float64): (0.6931471803691238, 1.9082149292705877e-10, np.int64, 52, 1023,
+                           (0.16666666666666666, 0.04166666666666667, 0.008333333333333333,
+                            0.0013888888888883742, 0.0001984126984126641, 2.4801587325574868e-05,
+                            2.755731923997518e-06, 2.7557273608709007e-07, 2.5052077979399947e-08,
+                            2.0914701283103285e-09, 1.6084337425329933e-10)),
+}
+
+
+def exp_parts(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(k, m, c)`` with ``exp(x) = 2^k (m + c)``: ``m`` in [0.7, 1.42], ``|c| <= ulp(m)``, error ≤ 0.21 ULP of ``m``.
+
+    ``2^k m`` is ``exp(x)`` within 0.62 ULP (XLA:CPU's own ``exp`` is off by
+    up to 1 ULP), and ``c`` is what a compensated formula adds. ``k`` is a
+    float; scale with :func:`pow2` (a normal ``2^k`` needs
+    ``x >= log(tiny)``).
+    """
+    c1, c2, _, _, _, tail = _EXP[np.dtype(x.dtype)]
+    k = jnp.round(x * (1.0 / math.log(2.0)))
+    r_hi = x - k * c1  # exact: k c1 is, and it is within a factor 2 of x
+    r_lo = -(k * c2)
+    r = r_hi + r_lo
+    t = r_lo + (r * r) * (0.5 + r * _horner(r, list(tail)))  # exp(r) - 1 - r_hi
+    p, p_lo = two_sum(r_hi, t)
+    m = 1.0 + p
+    return k, m, (p - (m - one_of(m))) + p_lo
+
+
+def pow2(k: jax.Array, dtype: np.dtype) -> jax.Array:
+    """``2^k`` for integral float ``k``, from its bits; ``k`` is clamped to the normal range."""
+    _, _, itype, bits, bias, _ = _EXP[np.dtype(dtype)]
+    k = jnp.clip(k, 1 - bias, bias)
+    return lax.bitcast_convert_type((k.astype(itype) + bias) << bits, dtype)
+
+
+def exp(x: jax.Array) -> jax.Array:
+    """``exp(x)`` within 0.81 ULP (float64; XLA:CPU's is off by up to 1.36) or XLA's own (float32, 1 ULP).
+
+    Not a kernel (no derivative rule); for values that derivatives are built
+    from. In float32 the kernel's 0.62 ULP costs a little more than XLA's
+    ``exp`` and gains little where its error is damped; silu, where it is
+    not, calls :func:`exp_parts` itself.
+    """
+    if np.dtype(x.dtype) != np.float64:
+        return jnp.exp(x)
+    k, m, _ = exp_parts(x)
+    _, _, _, _, bias, _ = _EXP[np.dtype(x.dtype)]
+    return jnp.where(k < 1 - bias, 0.0, jnp.where(k > bias, jnp.inf, m * pow2(k, x.dtype)))
+
+
+_LN2 = math.log(2.0)
+
+
+def _expm1_recip(x: jax.Array, lo: jax.Array | float) -> jax.Array:
+    # 1/expm1(x + lo) = N/D with D and N taken exactly (value and rounding error):
+    #   |x| < log 2: N = 1, D = x + x^2 P(x) (the Taylor series; x exact, the tail small);
+    #   x >= log 2:  N = e, D = 1 - e; x <= -log 2: N = -1, D = 1 - e, e = exp(-|x|) <= 1/2,
+    # so 1 - e in [1/2, 1) and its rounding error is exact. Then one division and a correction.
+    dtype = np.dtype(x.dtype)
+    ax = jnp.abs(x)
+    small = ax < _LN2
+    xs = jnp.where(small, x, 0.0)
+    n = _terms(_EXPM1, _LN2, 1, _eps(dtype))
+    tail = (xs * xs) * _horner(xs, _EXPM1[:n])
+    bias = _EXP[dtype][4]
+    clamp = (bias - 1) * _LN2  # below exp(-clamp), e is flushed to 0 (and 1/expm1 is e or -1)
+    k, m, c = exp_parts(-jnp.minimum(ax, clamp))
+    p2 = jnp.where(ax < clamp, pow2(k, dtype), 0.0)
+    e, e_lo = m * p2, c * p2
+    pos = x > 0
+    num = jnp.where(small, 1.0, jnp.where(pos, e, -1.0))
+    num_lo = jnp.where(small | ~pos, 0.0, e_lo)
+    den = jnp.where(small, xs + tail, 1.0 - e)
+    # The low part from den itself (x - den and 1 - den are exact): XLA may compute den in one
+    # fusion and recompute the tail in another, where a fused multiply-add rounds it differently.
+    den_lo = jnp.where(small, (xs - den) + tail, ((one_of(den) - den) - e) - e_lo)
+    # expm1(x + lo) = expm1(x) + lo e^x, e^x = 1 + den, 1/e or e in the three ranges
+    den_lo = den_lo + lo * jnp.where(small, 1.0 + den, jnp.where(pos, 1.0, -e))
+    return div_df(num, num_lo, den, den_lo)
+
+
+@jax.custom_jvp
+def expm1_recip(x: jax.Array, lo: jax.Array | float = 0.0) -> jax.Array:
+    """``1 / expm1(x + lo)``, ``lo`` a small low part (of an exact difference), rounded once (≤ 1.5 ULP).
+
+    The derivative of ``log1mexp`` (and, negated at ``-x``, of
+    ``softplus_inverse`` and ``log_sub_exp``). ``exp`` comes from
+    :func:`exp_parts` with its low part: where ``1 - e`` halves ``e``, an
+    ``exp`` error of 1 ULP would be 2 ULP of the result. ``+inf`` at 0,
+    ``-1`` at ``-inf``, 0 at ``+inf``.
+    """
+    lo = jnp.asarray(lo, x.dtype)
+    return _lowp(_expm1_recip)(x, lo)
+
+
+@expm1_recip.defjvp
+def _expm1_recip_jvp(primals, tangents):
+    (x, lo), (tx, tlo) = primals, tangents
+    g = expm1_recip(x, lo)
+    return g, -(tx + tlo) * (g * (1.0 + g))  # (1/expm1)' = -e^x / expm1^2 = -g (1 + g)
 
 
 # sigmoid's exponent is capped here: sigmoid(80) rounds to 1 in float32 and
@@ -161,20 +297,29 @@ def sigmoid_exp(x: jax.Array) -> jax.Array:
     Not a kernel; callers that compute a value from it and a derivative with
     :func:`sigmoid` write it the same way, so XLA evaluates one ``exp``.
     """
-    return jnp.exp(jnp.minimum(x, _SIGMOID_CAP))
+    return exp(jnp.minimum(x, _SIGMOID_CAP))
+
+
+def _sigmoid_of_sum(x: jax.Array, lo: jax.Array | float) -> jax.Array:
+    # q / (1 + q) with 1 + q = s + s_lo exactly: sigmoid(x + lo) = q/s + q (lo - s_lo) / s^2 to
+    # first order, the correction with an approximate 1/s (it is a few ULP of the result at most).
+    q = sigmoid_exp(x)
+    s = 1.0 + q
+    lo = jnp.where(x < _SIGMOID_CAP, lo, 0.0)  # q e^lo = q (1 + lo) needs a small lo; above the cap it is 1 anyway
+    return div_df(q, q * lo, s, sum_lo(q, s))
 
 
 @jax.custom_jvp
 @_lowp
 def sigmoid(x: jax.Array) -> jax.Array:
-    """``1 / (1 + exp(-x))`` as ``q / (1 + q)``, ``q = exp(min(x, 80))``: never overflows (≤ 1.8 ULP).
+    """``1 / (1 + exp(-x)) = q / (1 + q)``, ``q = exp(min(x, 80))``: never overflows (≤ 2 ULP).
 
-    For ``x < 0`` this is ``e / (1 + e)`` with ``e = exp(x)`` small; for
-    ``x > 0`` the rounding of ``q`` is damped by ``1 / (1 + q)``. One input
-    and no select: a derivative XLA:CPU computes in one pass over ``q``.
+    ``1 + q`` is taken exactly (as ``s + s_lo``), so only ``exp``'s error,
+    the division's and one last addition remain; the correction
+    ``q s_lo / s^2`` needs no second division (:func:`recip_approx`). One
+    input: a derivative XLA:CPU computes in one pass over ``q``.
     """
-    q = sigmoid_exp(x)
-    return q / (1.0 + q)
+    return _sigmoid_of_sum(x, 0.0)
 
 
 @sigmoid.defjvp
@@ -184,17 +329,30 @@ def _sigmoid_jvp(primals, tangents):
 
 
 @jax.custom_jvp
+def sigmoid_of_sum(x: jax.Array, lo: jax.Array) -> jax.Array:
+    """``sigmoid(x + lo)`` for a small ``lo`` (the low part of an exact difference), rounded once."""
+    return _lowp(_sigmoid_of_sum)(x, lo)
+
+
+@sigmoid_of_sum.defjvp
+def _sigmoid_of_sum_jvp(primals, tangents):
+    (x, lo), (tx, tlo) = primals, tangents
+    return sigmoid_of_sum(x, lo), (tx + tlo) * sigmoid_prime(x)
+
+
+@jax.custom_jvp
 @_lowp
 def sigmoid_prime(x: jax.Array) -> jax.Array:
-    """``σ(x) σ(-x) = e / (1 + e (2 + e))``, ``e = exp(-|x|)``; no cancellation (≤ 1.9 ULP).
+    """``σ(x) σ(-x) = e / (1 + e)^2``, ``e = exp(-|x|)``, with ``(1 + e)^2`` taken exactly (≤ 2 ULP).
 
     One ``exp``, which a value written with the same ``exp(-|x|)`` shares
-    (``gk.stable.sigmoid``, ``silu``). Every rounding but ``exp``'s is
-    relative to a sum of positive terms, and ``exp``'s error is damped by
-    ``(1 - e)/(1 + e)``.
+    (``gk.stable.sigmoid``, ``silu``); its error is damped by
+    ``(1 - e)/(1 + e)``. ``(1 + e)^2 = S + S_lo`` exactly (:func:`square_one_plus`),
+    so what remains is the division's rounding and one last addition.
     """
-    e = jnp.exp(-jnp.abs(x))
-    return e / (1.0 + e * (2.0 + e))
+    e = exp(-jnp.abs(x))
+    big, big_lo = square_one_plus(e)
+    return div_df(e, 0.0, big, big_lo)
 
 
 @sigmoid_prime.defjvp
@@ -270,81 +428,130 @@ def _cospi_jvp(primals, tangents):
     return cospi(x), -t * (np.pi * sinpi(x))
 
 
-def _sinc_series_coeffs(k: int, count: int) -> list[float]:
-    """Coefficients c_m of the k-th derivative of sinc: sum_m c_m x^(2m + (k mod 2))."""
-    out = []
-    for n in range(count):
-        p = 2 * n  # sinc = sum_n (-1)^n pi^(2n) x^(2n) / (2n+1)!
-        if p < k:
-            continue
-        c = (-1) ** n * math.pi ** p / math.factorial(p + 1) * math.factorial(p) / math.factorial(p - k)
-        out.append(c)
-    return out
-
-
-_SINC_CUT = 1.0
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def sinc_derivative(k: int, x: jax.Array) -> jax.Array:
-    """The ``k``-th derivative of ``sinc(x) = sin(pi x)/(pi x)``, correct at every order.
-
-    A Maclaurin series on ``|x| < 1`` (where the closed form cancels), the
-    Leibniz expansion of ``sin(pi x) * (pi x)^-1`` elsewhere.
-    """
-    return _lowp(functools.partial(_sinc_derivative, k))(x)
-
-
-def _sinc_derivative(k: int, x: jax.Array) -> jax.Array:
-    a = jnp.abs(x)
-    # The closed forms cancel near 0 from k = 1 on; the series cancels near the
-    # first zero of sinc at 1. Value: series only next to 0; first derivative:
-    # series on |x| < 0.5, where both are well conditioned.
-    cut = 1e-2 if k == 0 else 0.5 if k == 1 else _SINC_CUT
-    small = a < cut
-    # The closed form's input: orders 0 and 1 guard it alike (it is finite
-    # from 1e-2 on), so a value and its derivative share sinpi, cospi and the
-    # quotient sin(pi x) / (pi x).
-    guard = small if k > 1 else a < 1e-2
-    xs = jnp.where(small, x, 0.0)
-    eps = _eps(x.dtype)
-    coeffs = _sinc_series_coeffs(k, 80)
-    n = len(coeffs)
-    for i in range(1, len(coeffs)):
-        if abs(coeffs[i]) * cut ** (2 * i) < eps / 16 * max(abs(coeffs[0]), 1e-300):
-            n = i
-            break
-    z = xs * xs
-    series = _horner(z, coeffs[:n])
-    if k % 2:
-        series = xs * series
-    inf = jnp.isinf(x)
-    xb = jnp.where(guard | inf, 1.0, x)
-    pix = np.pi * xb
-    sp, cp = sinpi(xb), cospi(xb)
-    phases = [sp, cp, -sp, -cp]
-    total = jnp.zeros_like(x)
-    inv = 1.0 / xb
-    if k == 0:
-        big = sp / pix
-    elif k == 1:
-        big = (cp - sp / pix) * inv
-    else:
-        for j in range(k + 1):
-            m = k - j  # derivative order of (pi x)^-1: (-1)^m m! / (pi x^(m+1))
-            coef = math.comb(k, j) * math.pi ** j * (-1) ** m * math.factorial(m) / math.pi
-            total = total + coef * phases[j % 4] * inv ** (m + 1)
-        big = total
-    return jnp.where(small, series, jnp.where(inf, 0.0, big))
-
-
-@sinc_derivative.defjvp
-def _sinc_derivative_jvp(k, primals, tangents):
-    (x,), (t,) = primals, tangents
-    return sinc_derivative(k, x), t * sinc_derivative(k + 1, x)
-
-
 # --------------------------------------------------------------------------- exact sums
+
+
+def one_of(s: jax.Array) -> jax.Array:
+    """1 as ``sign(s)`` for ``s > 0``: a 1 XLA cannot fold.
+
+    XLA (jax < 0.12) rewrites ``(a + 1) - 1`` to ``a``, which would erase the
+    rounding error that an error-free sum recovers; ``(a + 1) - sign(a + 1)``
+    is left alone.
+    """
+    return jnp.sign(s)
+
+
+def sum_lo(b: jax.Array, s: jax.Array) -> jax.Array:
+    """The rounding error of ``s = 1 + b``: ``(1 + b) - s``, exactly (TwoSum), for any ``b > -1``."""
+    one = one_of(s)
+    bb = s - one
+    return (one - (s - bb)) + (b - bb)
+
+
+def two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``a + b = s + lo`` exactly (Knuth's TwoSum; no constant operands, which XLA may fold)."""
+    s = a + b
+    bb = s - a
+    return s, (a - (s - bb)) + (b - bb)
+
+
+# XLA:CPU fuses a*b + c into a fused multiply-add wherever LLVM finds one, also when a*b has
+# other uses, and computes a value again in each fusion that needs it. An error-free
+# transformation written with a rounded product (Dekker's a*b - p, Veltkamp's c - (c - a) with
+# c = a*s) then silently loses its low part. Here products are only ever exact (of halves
+# split by masking bits), so a fused multiply-add changes nothing.
+_SPLIT_MASK = {np.dtype(np.float32): (np.int32, np.int32(-(1 << 12))),  # keep 12 of 24 bits
+               np.dtype(np.float64): (np.int64, np.int64(-(1 << 27)))}  # keep 26 of 53 bits
+
+
+def _split(a: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``a = hi + lo`` with ``hi`` the upper half of the significand (its low bits masked), ``lo`` exact.
+
+    Products of halves are exact (float64: all but ``lo * lo``, within
+    2^-106 of the product).
+    """
+    itype, mask = _SPLIT_MASK[np.dtype(a.dtype)]
+    hi = lax.bitcast_convert_type(lax.bitcast_convert_type(a, itype) & mask, a.dtype)
+    return hi, a - hi
+
+
+def two_prod(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``a b = p + lo`` exactly, ``p`` within an ULP of ``a b`` (from exact partial products).
+
+    ``p`` is not always the rounded ``a b``; it is always consistent with
+    ``lo``, whatever XLA fuses.
+    """
+    ah, al = _split(a)
+    bh, bl = _split(b)
+    mid, mid_lo = two_sum(ah * bl, al * bh)
+    p, e = two_sum(ah * bh, mid)
+    return p, e + (mid_lo + al * bl)
+
+
+def prod_lo(a: jax.Array, b: jax.Array, p: jax.Array) -> jax.Array:
+    """``a b - p``, for a given ``p`` within an ULP of ``a b`` (a select's output, not a bare ``a * b``).
+
+    With ``p`` the very value a caller goes on to use, the pair ``(p, lo)`` is
+    consistent even where XLA recomputes ``a b`` in another fusion.
+    """
+    ah, al = _split(a)
+    bh, bl = _split(b)
+    mid, mid_lo = two_sum(ah * bl, al * bh)
+    return ((ah * bh - p) + mid) + (mid_lo + al * bl)
+
+
+def square_one_plus(e: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(1 + e)^2 = S + S_lo`` for ``0 <= e <= 1``: ``s = fl(1 + e)`` squared exactly, plus ``2 s s_lo``."""
+    s = 1.0 + e
+    big, lo = two_prod(s, s)
+    return big, lo + 2.0 * s * sum_lo(e, s)
+
+
+def div_df(num: jax.Array, num_lo: jax.Array | float, den: jax.Array, den_lo: jax.Array | float) -> jax.Array:
+    """``(num + num_lo) / (den + den_lo)`` rounded once: ``y = num / den`` plus its exact residual over ``den``.
+
+    The residual ``(num + num_lo) - y (den + den_lo)`` is taken from exact
+    partial products, so it is right for whatever ``y`` was computed: XLA may compute
+    the division in one fusion and its correction in another, where
+    ``den`` is recomputed and (with a fused multiply-add there) rounds
+    differently; a correction written as ``-num den_lo / den^2`` would then
+    no longer match ``y``. The exact product needs ``|y|`` and ``|den|`` far
+    from the overflow and underflow thresholds (XLA:CPU flushes subnormal
+    numbers to zero); beyond them ``y`` is returned, and ``num_lo``,
+    ``den_lo`` are below its last bit there in every caller.
+    """
+    y = num / den
+    fi = jnp.finfo(den.dtype)
+    hi = float(fi.max) / 2.0 ** (fi.nmant // 2 + 3)
+    lo = float(fi.tiny) * 2.0 ** (fi.nmant + 3)
+    ay, ad = jnp.abs(y), jnp.abs(den)
+    ok = (ay < hi) & (ad < hi) & (ay > lo) & (ad > lo)
+    ys, ds = jnp.where(ok, y, 0.0), jnp.where(ok, den, 1.0)
+    yh, yl = _split(ys)
+    dh, dl = _split(ds)
+    # num - y den exactly: num - yh dh is exact (Sterbenz), the other partial products are small
+    mid, mid_lo = two_sum(yh * dl, yl * dh)
+    res = (((num - yh * dh) - mid) - (mid_lo + yl * dl)) + (num_lo - ys * den_lo)
+    r = recip_approx(jnp.abs(ds)) * jnp.sign(ds)
+    return jnp.where(ok, y + res * r, y)
+
+
+_RECIP_MAGIC = {np.dtype(np.float32): (np.int32, 0x7EF311C3), np.dtype(np.float64): (np.int64, 0x7FDE6238DA3C2118)}
+
+
+def recip_approx(s: jax.Array, steps: int = 1) -> jax.Array:
+    """``1/s`` for normal ``s > 0`` without a division: a bit trick and Newton steps (1.5%; 2e-4 with two).
+
+    For correction terms only: they are a few ULP at most, so 1.5% of them
+    is far below the final rounding, and a second division would cost
+    XLA:CPU as much as the whole correction.
+    """
+    itype, magic = _RECIP_MAGIC[np.dtype(s.dtype)]
+    r = lax.bitcast_convert_type(itype(magic) - lax.bitcast_convert_type(s, itype), s.dtype)
+    for _ in range(steps):
+        r = r * (2.0 - s * r)
+    return r
+
 
 
 def two_diff(x: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gradkit._src import compat
+from gradkit._src import compat, walk
 from gradkit._src.errors import GradkitError
 from gradkit._src.rule import OpView
 
@@ -248,7 +248,7 @@ def safe_bind(prim: Any, params: Any, inputs: Sequence[Any], fixed: Sequence[boo
     fixed = fixed or [False] * len(inputs)
     diff = tuple(_is_inexact(x) and not c for x, c in zip(inputs, fixed))
     inputs = compat.match_varying(inputs)
-    if prim.multiple_results or not any(diff) or any(True for _ in compat.jaxpr_params(params)):
+    if prim.multiple_results or not any(diff) or walk.subprograms(params):
         return compat.bind_primitive(prim, inputs, params)
     try:
         prog = program(prim, params, inputs, diff)

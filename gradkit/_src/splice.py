@@ -13,7 +13,7 @@ Everything else in the program is shared, not re-traced
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax

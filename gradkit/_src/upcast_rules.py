@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gradkit._src import compat
+from gradkit._src import compat, walk
 from gradkit._src.errors import GradkitError
 from gradkit._src.rule import OpView, Rule
 
@@ -93,7 +93,7 @@ def eval_upcast(closed: Any, args: Sequence[Any], target: np.dtype, where: str) 
                 raise GradkitError(f"{where}: cannot read the program of `{eqn.primitive.name}`.")
             # A custom derivative inside is dropped: its body is differentiated in float32 instead.
             outs = eval_upcast(body[0], ins, target, where)
-        elif compat.has_subjaxprs(eqn):
+        elif walk.has_subprograms(eqn):
             raise GradkitError(
                 f"{where}: the function contains `{eqn.primitive.name}` (a loop or branch), which the float32 "
                 "re-evaluation does not enter. Upcast the primitives inside it instead (list their names).")

@@ -1,0 +1,34 @@
+"""Every access gradkit makes to JAX internals lives in this package, and every JAX version branch.
+
+A JAX upgrade that moves one of these names is a change here only (checked on
+jax 0.8.0, 0.10.2 and 0.12.0.1; CI runs the oldest and the newest). The rest of
+gradkit imports ``gradkit._src.compat`` and nothing from ``jax._src``.
+
+* :mod:`~gradkit._src.compat.jaxprs` — jaxprs and equations:
+  ``jax.extend.core``'s ``Jaxpr``/``ClosedJaxpr``/``JaxprEqn``/``Literal``
+  (from jax 0.11 ``ClosedJaxpr`` is an alias of ``Jaxpr``, which carries its
+  consts: :func:`jaxpr_parts` and :func:`replace_eqns` hide the difference);
+  tracing at exact abstract values (``partial_eval.trace_to_jaxpr_dynamic``,
+  which keeps weak types, shardings and varying manual axes); one ``jit``
+  equation per overridden function (:func:`trace_jit`); binding an equation
+  (``get_bind_params`` returned ``(subfuns, params)`` before jax 0.9.2);
+  the two namespaces of table keys (:func:`eqn_name`); the context a
+  ``shard_map`` body is traced in (:func:`body_context`; ``manual_axes``
+  became ``newly_manual_axes`` in jax 0.9); the operand layouts of ``scan``
+  (jax 0.12 keeps them in a ``FlatTree``), ``while`` and ``cond``; the
+  config that changes what tracing produces (``trace_context``).
+* :mod:`~gradkit._src.compat.source` — the user's source line of an
+  equation (``source_info_util``), and the registration that makes JAX's
+  tracebacks skip gradkit's frames (what Flax and Equinox do too).
+* :mod:`~gradkit._src.compat.primitive` — ``safe_scale``, the one primitive
+  gradkit defines, with its own JVP, transpose, batching and lowering rules.
+  Registering rules for gradkit's own primitive is extension; no rule of a
+  JAX primitive is touched (``tests/test_side_effects.py`` checks it).
+* :mod:`~gradkit._src.compat.callbacks` — the logger JAX reports a failing
+  host callback on (``gk.guard``'s raise mode keeps its own exception off it).
+"""
+
+from gradkit._src.compat.callbacks import *  # noqa: F403
+from gradkit._src.compat.jaxprs import *  # noqa: F403
+from gradkit._src.compat.primitive import *  # noqa: F403
+from gradkit._src.compat.source import *  # noqa: F403

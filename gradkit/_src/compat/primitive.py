@@ -1,0 +1,118 @@
+"""gradkit's own primitive, ``safe_scale``: the masked product that makes SAFE rules serve every mode."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from jax import lax as _lax
+from jax._src import core as _core
+from jax.interpreters import ad as _ad
+from jax.interpreters import batching as _batching
+from jax.interpreters import mlir as _mlir
+
+from gradkit._src.errors import GradkitError as _GradkitError
+
+from gradkit._src.compat.jaxprs import Primitive
+
+# =========================================================================== gradkit's own primitive: safe_scale
+#
+# ``safe_scale(t, d)`` is ``t * d`` (or ``t / d``), exactly 0 where ``t == 0``:
+# the masked product that lets the SAFE rules be JVP rules. A ``custom_vjp``
+# cannot sit inside a tangent (JAX has no transpose rule for
+# ``custom_vjp_call``), and ``jnp.where(t == 0, 0, t * d)`` is not linear in
+# ``t`` as JAX sees it, so the mask needs a primitive with its own transpose
+# rule. Registering rules for a primitive gradkit defines is extension: no
+# rule of JAX's own primitives is touched.
+
+
+safe_scale_p: Primitive = Primitive("gradkit_safe_scale")
+
+#: The primitives gradkit defines (and registers rules for); nothing else is registered.
+OWN_PRIMITIVES: frozenset[Primitive] = frozenset({safe_scale_p})
+
+
+def safe_scale(t: Any, d: Any, *, divide: bool = False) -> Any:
+    """``t * d`` (``t / d`` with ``divide``), exactly 0 where ``t == 0``; linear in ``t``.
+
+    ``t`` and ``d`` must have the same shape and dtype. Where ``t`` is 0 the
+    result is 0 whatever ``d`` is (``inf``, NaN), in value and at every order
+    of differentiation; elsewhere it is the plain product, bit for bit.
+    """
+    t, d = match_varying([t, d])
+    return safe_scale_p.bind(t, d, divide=bool(divide))
+
+
+def _safe_scale_value(t: Any, d: Any, *, divide: bool) -> Any:
+    zero = _lax.full_like(t, 0)
+    return _lax.select(_lax.eq(t, zero), zero, _lax.div(t, d) if divide else _lax.mul(t, d))
+
+
+def _safe_scale_abstract_eval(t: Any, d: Any, *, divide: bool) -> Any:
+    if t.shape != d.shape or t.dtype != d.dtype:
+        raise _GradkitError(f"internal: safe_scale needs operands of one shape and dtype, got {t.str_short()} "
+                            f"and {d.str_short()}; please report this with the function that triggered it.")
+    return t.update(weak_type=t.weak_type and d.weak_type)  # as lax's binary operations
+
+
+def _safe_scale_jvp(primals: Sequence[Any], tangents: Sequence[Any], *, divide: bool) -> tuple[Any, Any]:
+    t, d = primals
+    dt, dd = tangents
+    out = safe_scale(t, d, divide=divide)
+    terms = []
+    if type(dt) is not _ad.Zero:
+        terms.append(safe_scale(dt, d, divide=divide))
+    if type(dd) is not _ad.Zero:
+        # d(t*d)/dd = t, d(t/d)/dd = -t/d^2: both 0 where t == 0, and the term is
+        # selected away there, so an inf or NaN tangent of d never leaks through.
+        coef = t if not divide else _lax.neg(safe_scale(safe_scale(t, d, divide=True), d, divide=True))
+        zero = _lax.full_like(t, 0)
+        terms.append(_lax.select(_lax.eq(t, zero), _lax.full_like(dd, 0), _lax.mul(coef, dd)))
+    if not terms:
+        return out, _ad.Zero.from_primal_value(out)
+    return out, terms[0] if len(terms) == 1 else _lax.add(terms[0], terms[1])
+
+
+def _safe_scale_transpose(ct: Any, t: Any, d: Any, *, divide: bool) -> list[Any]:
+    if _ad.is_undefined_primal(d) or not _ad.is_undefined_primal(t):
+        raise _GradkitError("internal: safe_scale is linear in its first operand only; please report this with "
+                            "the function that triggered it.")
+    if type(ct) is _ad.Zero:
+        return [_ad.Zero(t.aval), None]
+    return [safe_scale(ct, d, divide=divide), None]
+
+
+def _safe_scale_batch(args: Sequence[Any], dims: Sequence[Any], *, divide: bool) -> tuple[Any, Any]:
+    t, d = args
+    bt, bd = dims
+    if bt == bd:
+        return safe_scale(t, d, divide=divide), bt
+    size = t.shape[bt] if bt is not None else d.shape[bd]
+
+    def front(x: Any, b: Any) -> Any:
+        if b is None:
+            return _lax.broadcast(x, (size,))
+        return jax.numpy.moveaxis(x, b, 0)
+
+    return safe_scale(front(t, bt), front(d, bd), divide=divide), 0
+
+
+# Inside shard_map, operands of one operation must vary over the same manual axes; JAX's lax wrappers
+# insert the casts (pvary) themselves, and a program re-played equation by equation must too.
+_auto_vary = getattr(_core, "auto_insert_reshard", None) or getattr(_core, "standard_insert_pvary", None)
+
+
+def match_varying(args: Sequence[Any]) -> list[Any]:
+    """``args`` cast to vary over the same ``shard_map`` axes, as JAX's lax wrappers do (no-op elsewhere)."""
+    if _auto_vary is None or len(args) < 2:
+        return list(args)
+    return list(_auto_vary(*args))
+
+
+safe_scale_p.def_impl(_safe_scale_value)
+safe_scale_p.def_abstract_eval(_safe_scale_abstract_eval)
+_ad.primitive_jvps[safe_scale_p] = _safe_scale_jvp
+_ad.primitive_transposes[safe_scale_p] = _safe_scale_transpose
+_batching.primitive_batchers[safe_scale_p] = _safe_scale_batch
+_mlir.register_lowering(safe_scale_p, _mlir.lower_fun(_safe_scale_value, multiple_results=False))
