@@ -14,6 +14,8 @@ MODULES = [
     "gradkit._src.audit",
     "gradkit._src.check",
     "gradkit._src.compare",
+    "gradkit._src.guard",
+    "gradkit.tables",
 ]
 
 

@@ -134,3 +134,23 @@ def test_a_named_op_is_a_gradkit_error():
 def test_described_and_fingerprinted():
     assert F32.fingerprint == gk.tables.upcast_backward(*F32).fingerprint
     assert gk.tables.describe(F32)["fn:log_softmax"] == "gradkit.upcast_backward[fn:log_softmax]"
+
+
+def test_under_vmap_reverse_and_forward(maybe_jit):
+    logits, y = confident_logits()  # per-example cross-entropy, batched by vmap
+    one = lambda z, t: -jnp.sum(jax.nn.log_softmax(z) * t)
+    ours = gk.override(one, F32)
+    with jax.enable_x64(True):
+        ref = np.asarray(jax.vmap(jax.grad(one))(logits.astype(jnp.float64), y.astype(jnp.float64)))
+    g = np.asarray(maybe_jit(jax.vmap(jax.grad(ours)))(logits, y), np.float64)
+    plain = np.asarray(maybe_jit(jax.vmap(jax.grad(one)))(logits, y), np.float64)
+    scale = np.max(np.abs(ref), axis=-1, keepdims=True)
+    assert np.max(np.abs(g - ref) / scale) < 2 ** -7
+    assert np.max(np.abs(plain - ref) / scale) > 10 * np.max(np.abs(g - ref) / scale)
+    # forward mode under vmap: jvp along each example's own direction, and jacfwd
+    t = jnp.asarray([[1.0, -1.0, 0.5, 0.0], [0.25, 1.0, -0.5, 1.0]], jnp.bfloat16)
+    _, jt = maybe_jit(jax.vmap(lambda z, yy, tt: jax.jvp(lambda v: ours(v, yy), (z,), (tt,))))(logits, y, t)
+    np.testing.assert_allclose(np.asarray(jt, np.float64), np.sum(ref * np.asarray(t, np.float64), -1),
+                               rtol=2 ** -6)
+    jf = np.asarray(maybe_jit(jax.vmap(jax.jacfwd(ours)))(logits, y), np.float64)
+    assert np.max(np.abs(jf - ref) / scale) < 2 ** -7
