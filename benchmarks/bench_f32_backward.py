@@ -7,7 +7,7 @@ Two bfloat16 models: a softmax classifier (``x @ W + b``, cross-entropy via
 with ``rsqrt``, one attention head with ``jax.nn.softmax``, a tanh-GELU MLP,
 a cross-entropy head). Error rows: the gradient's max relative error against
 the float64 gradient of the same parameters (per leaf ``max|g - g64| /
-max|g64|``, the worst leaf), plain / with the table (``>= 10`` is the target:
+max|g64|``, the worst leaf), with the table / plain (``<= 0.1`` is the target:
 the table's error is at least 10x lower). Time rows: ``jit(value_and_grad)``
 step time with the table / plain, medians of interleaved repeats.
 """
@@ -139,23 +139,22 @@ def measure(name: str, loss: Callable[..., Any], params: Any, batch: Any, tables
     return {k: (e, times[k] / times["plain"] if times else None) for k, e in res.items()}
 
 
-def _row(name: str, baseline: str, ratio: float, target: float | None, higher_is_better: bool = False,
-         fmt: str = "ratio") -> dict[str, Any]:
-    ok = None if target is None else bool(ratio >= target if higher_is_better else ratio <= target)
+def _row(name: str, baseline: str, ratio: float, target: float | None, fmt: str = "ratio") -> dict[str, Any]:
+    ok = None if target is None else bool(ratio <= target)
     return {"workload": name, "baseline": baseline, "ratio": float(ratio), "target": target, "pass": ok, "fmt": fmt}
 
 
 def rows(quick: bool = False) -> list[dict[str, Any]]:
-    """The benchmark rows, in ``benchmarks/run.py``'s format (error rows: plain error / table error)."""
+    """The benchmark rows, in ``benchmarks/run.py``'s format (error rows: table error / plain error)."""
     out = []
     problems = [("bf16 softmax classifier", classifier_loss, *classifier_problem(*((256, 64, 10) if quick else (1024, 256, 100)))),
                 ("bf16 transformer block", block_loss, *block_problem(*((32, 32, 50) if quick else (128, 128, 500))))]
     for name, loss, params, batch in problems:
         r = measure(name, loss, params, batch, {"f32": gk.tables.F32_BACKWARD}, quick)
         (e0, _), (e1, t1) = r["plain"], r["f32"]
-        out.append(_row(f"{name}: grad max rel err (plain {e0:.2g}, F32_BACKWARD {e1:.2g})",
-                        "plain bf16 autodiff", e0 / e1, 10.0, higher_is_better=True, fmt="x lower"))
-        out.append(_row(f"{name}: jit(value_and_grad) step time", "plain bf16 autodiff", t1, 1.15))
+        out.append(_row(f"F32_BACKWARD {name}: grad error vs float64 ({e1:.2g} vs {e0:.2g})", "plain bf16 autodiff",
+                        e1 / e0, 0.1, fmt="err"))
+        out.append(_row(f"F32_BACKWARD {name}: step time", "plain bf16 autodiff", t1, 1.15))
     return out
 
 
@@ -169,7 +168,8 @@ def ablation(quick: bool = False) -> None:
         "fns": up("fn:log_softmax", "fn:standardize"),
         "fns+bcast": up("fn:log_softmax", "fn:standardize", "broadcast_in_dim"),
         "fns+bcast+dot": up("fn:log_softmax", "fn:standardize", "broadcast_in_dim", "dot_general"),
-        "all": gk.tables.F32_BACKWARD | up("broadcast_in_dim", "dot_general", "div", "exp", "reduce_sum"),
+        "add": up("add"), "mul": up("mul"), "fns+add": up("fn:log_softmax", "fn:standardize", "add"),
+        "all": gk.tables.F32_BACKWARD | up("broadcast_in_dim", "dot_general", "div", "reduce_sum", "mul", "sub"),
         "F32_BACKWARD": gk.tables.F32_BACKWARD,
     }
     problems = [("classifier", classifier_loss, *classifier_problem(256, 64, 10)),
@@ -193,9 +193,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"F32_BACKWARD (jax {jax.__version__}, {jax.devices()[0].platform})")
     for r in rows(args.quick):
-        target = "" if r["target"] is None else (f">= {r['target']:.0f}" if r["fmt"] == "x lower" else f"<= {r['target']:.2f}")
+        target = "" if r["target"] is None else f"<= {r['target']:.2f}"
         verdict = "" if r["pass"] is None else ("pass" if r["pass"] else "MISS")
-        print(f"{r['workload']:80} {r['baseline']:20} {r['ratio']:8.3f} {target:>8}  {verdict}")
+        print(f"{r['workload']:64} {r['baseline']:20} {r['ratio']:8.3f} {target:>8}  {verdict}")
     return 0
 
 

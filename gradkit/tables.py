@@ -112,9 +112,10 @@ STABLE: RuleTable = RuleTable(_lib.ready_table("stable", "STABLE"))
 STABLE_FUNCTIONS: RuleTable = RuleTable(_lib.ready_table("stable", "STABLE_FUNCTIONS"))
 
 
-# Chosen by measurement: benchmarks/bench_f32_backward.py --ablation (see the module docstring).
+# Chosen by measurement: benchmarks/bench_f32_backward.py --ablation (see the module docstring). "add":
+# an add that broadcasts a bias sums its cotangent over the batch, in bfloat16 unless upcast.
 _F32_BACKWARD_OPS = ("fn:log_softmax", "fn:logsumexp", "fn:softmax", "fn:standardize", "exp", "log", "rsqrt",
-                     "tanh", "logistic")
+                     "tanh", "logistic", "add")
 
 
 def upcast_backward(*op_names: str, dtype: Any = _jnp.float32) -> RuleTable:
