@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import gradkit as gk  # noqa: E402
+import gradkit as gk
 
 
 def _block(x: Any) -> Any:
@@ -80,9 +80,11 @@ def block_problem(n: int, d: int, vocab: int, seed: int = 0) -> tuple[Any, Any]:
     params = {"ln1": jnp.ones(d), "ln2": jnp.ones(d), "q": jax.random.normal(ks[0], (d, d)) * s,
               "k": jax.random.normal(ks[1], (d, d)) * s, "v": jax.random.normal(ks[2], (d, d)) * s,
               "o": jax.random.normal(ks[3], (d, d)) * s, "up": jax.random.normal(ks[4], (d, 4 * d)) * s,
-              "down": jax.random.normal(ks[5], (4 * d, d)) * s / 2, "head": jax.random.normal(ks[6], (d, vocab)) * 4 * s}
+              "down": jax.random.normal(ks[5], (4 * d, d)) * s / 2,
+              "head": jax.random.normal(ks[6], (d, vocab)) * 4 * s}
     labels = jax.random.randint(ks[7], (n,), 0, vocab)
-    x = jax.random.normal(ks[8], (n, d)) * 0.3 + 6.0 * params["head"].T[labels] / jnp.linalg.norm(params["head"], axis=0)[labels, None]
+    direction = params["head"].T[labels] / jnp.linalg.norm(params["head"], axis=0)[labels, None]
+    x = jax.random.normal(ks[8], (n, d)) * 0.3 + 6.0 * direction
     return params, (x, jax.nn.one_hot(labels, vocab, dtype=jnp.float32))
 
 
@@ -147,8 +149,9 @@ def _row(name: str, baseline: str, ratio: float, target: float | None, fmt: str 
 def rows(quick: bool = False) -> list[dict[str, Any]]:
     """The benchmark rows, in ``benchmarks/run.py``'s format (error rows: table error / plain error)."""
     out = []
-    problems = [("bf16 softmax classifier", classifier_loss, *classifier_problem(*((256, 64, 10) if quick else (1024, 256, 100)))),
-                ("bf16 transformer block", block_loss, *block_problem(*((32, 32, 50) if quick else (128, 128, 500))))]
+    cls = classifier_problem(*((256, 64, 10) if quick else (1024, 256, 100)))
+    blk = block_problem(*((32, 32, 50) if quick else (128, 128, 500)))
+    problems = [("bf16 softmax classifier", classifier_loss, *cls), ("bf16 transformer block", block_loss, *blk)]
     for name, loss, params, batch in problems:
         r = measure(name, loss, params, batch, {"f32": gk.tables.F32_BACKWARD}, quick)
         (e0, _), (e1, t1) = r["plain"], r["f32"]
@@ -180,7 +183,8 @@ def ablation(quick: bool = False) -> None:
         p16, b16 = _cast(params, jnp.bfloat16), _cast(batch, jnp.bfloat16)
         if name == "classifier":
             logits = b16[0] @ p16["w"]
-            print("  mean p at the label:", float(jnp.mean(jnp.sum(jax.nn.softmax(logits.astype(jnp.float32)) * b16[1], -1))))
+            p_label = jnp.sum(jax.nn.softmax(logits.astype(jnp.float32)) * b16[1], -1)
+            print("  mean p at the label:", float(jnp.mean(p_label)))
 
 
 def main(argv: list[str] | None = None) -> int:

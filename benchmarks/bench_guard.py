@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import gradkit as gk  # noqa: E402
+import gradkit as gk
 
 
 def _block(x: Any) -> Any:
@@ -102,7 +102,7 @@ def rows(quick: bool = False) -> list[dict[str, Any]]:
     assert all(not g.reports for g in guards.values()), "a finite step reached the host"
     name = f"MLP train step {depth}x{width}, batch {batch}"
     out = [_row(f"gk.guard {name}", t["raise"] / t["plain"]),
-           _row(f"  on_nonfinite='skip' (zeroing fused in)", t["skip"] / t["plain"])]
+           _row("  on_nonfinite='skip' (zeroing fused in)", t["skip"] / t["plain"])]
 
     # per-example gradients: the guard under vmap (the check is per example, the callback is not)
     b = 32 if quick else 128

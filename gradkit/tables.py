@@ -90,7 +90,6 @@ Examples:
 from __future__ import annotations
 
 from collections.abc import Mapping
-
 from typing import Any
 
 import jax.numpy as _jnp

@@ -238,7 +238,7 @@ class Guard:
         """
         try:
             jax.effects_barrier()
-        except Exception:  # noqa: BLE001 - a step's failure (raise mode): already raised from its results
+        except Exception:
             pass
         while True:
             with self._lock:
@@ -359,7 +359,7 @@ class Guard:
         try:
             with jax.default_device(jax.devices("cpu")[0]):
                 result = audit(scalar_loss, *holes, argnums=self.argnums)
-        except Exception as e:  # noqa: BLE001 - a report that says why beats a lost one
+        except Exception as e:
             note = _join(note, f"the audit could not run: {type(e).__name__}: {one_line(str(e))}"
                          + (" (a loss with collectives such as psum cannot be re-run outside its shard_map)"
                             if "axis name" in str(e) else ""))
