@@ -87,7 +87,7 @@ print(guarded.reports[0])
 
 # %% [markdown]
 # The report says where the NaN was born: `log` at the `jnp.where` line, for
-# the four padded rows (`x = 0`). The loss is finite (the `where` drops those
+# the 24 padded rows (`x = 0`: their probability of the all-zero label). The loss is finite (the `where` drops those
 # rows), but the backward pass multiplies the zero cotangent by
 # `∂log/∂x = inf`: `0 × inf = NaN`. The suggested fix, `gk.tables.SAFE`, was
 # re-run by the audit and matches float64 finite differences. It needs no
