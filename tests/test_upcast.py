@@ -154,3 +154,18 @@ def test_under_vmap_reverse_and_forward(maybe_jit):
                                rtol=2 ** -6)
     jf = np.asarray(maybe_jit(jax.vmap(jax.jacfwd(ours)))(logits, y), np.float64)
     assert np.max(np.abs(jf - ref) / scale) < 2 ** -7
+
+
+def test_a_broadcast_bias_gradient_is_summed_in_float32(maybe_jit):
+    # the cotangent of b in x + b[None] is a sum over the batch, here of terms that mostly cancel (as
+    # p - y does): summed in bfloat16 it loses bits row by row
+    w = jax.random.uniform(jax.random.key(0), (4096, 8), jnp.float32, -1.0, 1.0).astype(jnp.bfloat16)
+    x = jnp.zeros((4096, 8), jnp.bfloat16)
+    f = lambda b: jnp.sum((x + b[None, :]) * w)
+    b = jnp.zeros(8, jnp.bfloat16)
+    ref = np.sum(np.asarray(w, np.float64), axis=0)
+    ours = np.asarray(maybe_jit(jax.grad(gk.override(f, F32)))(b), np.float64)
+    plain = np.asarray(maybe_jit(jax.grad(f))(b), np.float64)
+    err = lambda g: np.max(np.abs(g - ref) / np.abs(ref))
+    assert err(ours) <= 2 ** -8  # one rounding of the float32 sum
+    assert err(plain) > 4 * err(ours)
