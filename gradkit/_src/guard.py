@@ -318,7 +318,9 @@ class Guard:
         more = len(elements) - _AUDITS_PER_CALL
         futures = []
         for k, (index, (loss_i, *leaves_i)) in enumerate(elements[:_AUDITS_PER_CALL]):
-            dyn = [jax.random.wrap_key_data(x, impl=i) if i is not None else x for x, i in zip(leaves_i, keys)]
+            cpu = jax.devices("cpu")[0]  # key data back as keys, on the CPU device the audit uses
+            dyn = [jax.random.wrap_key_data(jax.device_put(x, cpu), impl=i) if i is not None else x
+                   for x, i in zip(leaves_i, keys)]
             note = f"{more} more bad batch element(s) in this call were not audited." if k == 0 and more > 0 else ""
             futures.append(_executor().submit(self._audit_and_keep, None, index, loss_i, split, dyn, note))
         with self._lock:
