@@ -5,11 +5,14 @@ any pure function, inside jit, scan, while, cond, remat and vmap. Everything
 under ``gradkit._src`` is private.
 """
 
+from gradkit import estimators as estimators
+from gradkit import stable as stable
+from gradkit import tables as tables
 from gradkit._src.audit import AuditReport as AuditReport
 from gradkit._src.audit import audit as audit
-from gradkit._src.compare import Comparison as Comparison
 from gradkit._src.check import GradCheckReport as GradCheckReport
 from gradkit._src.check import check_grads as check_grads
+from gradkit._src.compare import Comparison as Comparison
 from gradkit._src.compare import compare as compare
 from gradkit._src.compat import register_source_exclusion as _register_source_exclusion
 from gradkit._src.custom_gradient import custom_gradient as custom_gradient
@@ -26,10 +29,6 @@ from gradkit._src.rule import Rule as Rule
 from gradkit._src.rule import jvp_rule as jvp_rule
 from gradkit._src.rule import vjp_rule as vjp_rule
 from gradkit._src.table import RuleTable as RuleTable
-
-from gradkit import estimators as estimators  # noqa: E402  (the rule library)
-from gradkit import stable as stable  # noqa: E402
-from gradkit import tables as tables  # noqa: E402
 
 __version__ = "0.1.0"
 

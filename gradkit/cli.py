@@ -126,7 +126,7 @@ def _targets(args: argparse.Namespace, progress: _Progress) -> list[tuple[str, C
             raise UsageError(f"no such file: {path}")
     out = []
     modules: dict[str, Any] = {}
-    for target, path, func in plan:
+    for _target, path, func in plan:
         if path not in modules:  # on a terminal only: a usage error after it stays one line in a log
             progress.step(f"loading {path}…", tty_only=True)
         module = modules.get(path) or _load(path)
@@ -431,7 +431,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if example is not None:
         audit_cmd, what = f"gradkit audit {example}", "real-looking losses that break, and their fixes"
     else:  # installed from a wheel: the examples folder is in the source repository only
-        audit_cmd, what = "gradkit audit model.py:loss --arg 'f32[128]:normal(0,1)'", "your own loss, at inputs you give"
+        audit_cmd = "gradkit audit model.py:loss --arg 'f32[128]:normal(0,1)'"
+        what = "your own loss, at inputs you give"
     width = max(len(audit_cmd), len("gradkit rules")) + 3
     print(f"\nNext: {audit_cmd:<{width}}{what}")
     print(f"      {'gradkit rules':<{width}}the rule tables and what each rule fixes")

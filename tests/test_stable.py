@@ -501,10 +501,11 @@ def test_named_ops_are_targetable():
              "softmax": st.softmax, "safe_log": st.safe_log, "normalize": st.normalize, "hypot": st.hypot}
     for name, fn in names.items():
         assert getattr(fn, "gradkit_op_name", None) == name
-        args = (jnp.ones(3),) if name != "hypot" else (jnp.ones(3), jnp.ones(3))
+        x = jnp.array([0.5, 1.0, 2.0])  # not uniform, weighted: no gradient that is 0 up to rounding
+        args = (x,) if name != "hypot" else (x, x[::-1])
         twice = gk.jvp_rule(lambda op, t: jax.tree_util.tree_map(lambda v: 2 * v, jax.jvp(
             lambda *a: fn(*a), tuple(op.inputs[:len(args)]), tuple(t[:len(args)]))[1]))
-        f = lambda *a: jnp.sum(fn(*a))
+        f = lambda *a: jnp.sum(fn(*a) * jnp.array([1.0, -2.0, 3.0]))
         g = jax.grad(gk.override(f, {name: twice}))(*args)
         np.testing.assert_allclose(np.asarray(g), 2 * np.asarray(jax.grad(f)(*args)), rtol=1e-6)
 

@@ -39,7 +39,7 @@ def _same_avals(a: Sequence[Any], b: Sequence[Any]) -> bool:
                                     for x, y in zip(a, b))
 
 
-def call_body(eqn: Any) -> tuple[Any, list[Any]] | None:
+def call_body(eqn: compat.JaxprEqn) -> tuple[Any, list[Any]] | None:
     """``(body, consts)`` when ``eqn`` just calls one sub-program on its own operands; else ``None``.
 
     ``shard_map`` is not a call in this sense: its body sees per-device
@@ -59,7 +59,7 @@ def call_body(eqn: Any) -> tuple[Any, list[Any]] | None:
 # --------------------------------------------------------------------------- per-primitive rules
 
 
-def scan_activity(eqn: Any, act_in: Sequence[bool]) -> tuple[list[bool], list[bool]]:
+def scan_activity(eqn: compat.JaxprEqn, act_in: Sequence[bool]) -> tuple[list[bool], list[bool]]:
     """(the body's input activity at the fixpoint, the scan's output activity)."""
     lay = compat.scan_layout(eqn)
     body, _ = compat.jaxpr_parts(lay.body)
@@ -74,7 +74,7 @@ def scan_activity(eqn: Any, act_in: Sequence[bool]) -> tuple[list[bool], list[bo
     return consts + carry + xs, carry + out[nk:]
 
 
-def _cond_activity(eqn: Any, act_in: Sequence[bool]) -> list[bool]:
+def _cond_activity(eqn: compat.JaxprEqn, act_in: Sequence[bool]) -> list[bool]:
     outs = [False] * len(eqn.outvars)
     for br in compat.cond_layout(eqn).branches:
         body, _ = compat.jaxpr_parts(br)
@@ -82,7 +82,7 @@ def _cond_activity(eqn: Any, act_in: Sequence[bool]) -> list[bool]:
     return outs
 
 
-def _while_activity(eqn: Any, act_in: Sequence[bool]) -> list[bool]:
+def _while_activity(eqn: compat.JaxprEqn, act_in: Sequence[bool]) -> list[bool]:
     lay = compat.while_layout(eqn)
     body, _ = compat.jaxpr_parts(lay.body)
     nc, nb = lay.cond_nconsts, lay.body_nconsts
@@ -101,7 +101,7 @@ _RULES: dict[str, Callable[[Any, Sequence[bool]], list[bool]]] = {
 }
 
 
-def active_outs(eqn: Any, act_in: Sequence[bool]) -> list[bool]:
+def active_outs(eqn: compat.JaxprEqn, act_in: Sequence[bool]) -> list[bool]:
     """Which outputs of ``eqn`` depend differentiably on its active inputs."""
     floats = [is_float_aval(v.aval) for v in eqn.outvars]
     name = eqn.primitive.name

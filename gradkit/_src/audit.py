@@ -209,7 +209,7 @@ def _coverage(prog: Program, table: Any) -> Coverage:
     tbl = table if isinstance(table, RuleTable) else RuleTable(table)
     closed = jax.make_jaxpr(prog.flat())(*prog.dyn)
     # a matched equation is replaced whole by its rule: nothing inside it is matched
-    enter = lambda eqn: walk.enters(eqn) and op_name(eqn) not in tbl  # noqa: E731
+    enter = lambda eqn: walk.enters(eqn) and op_name(eqn) not in tbl
     counts = Counter(name for name in (op_name(e) for e, _ in walk.equations(closed, enter)) if name in tbl)
     fired = tuple(sorted(counts.items()))
     never = tuple(sorted(n for n in tbl.names() if n not in counts))

@@ -101,7 +101,7 @@ def _iterations(its: Sequence[int], n: int) -> str:
     return f"iterations {shown}{of}"
 
 
-def _span(eqn: Any, ctx: Sequence[Context] = ()) -> tuple[str, int, str, int, int] | None:
+def _span(eqn: compat.JaxprEqn, ctx: Sequence[Context] = ()) -> tuple[str, int, str, int, int] | None:
     """The user source span of ``eqn``, else of the innermost enclosing jit/scan/cond that has one."""
     span = compat.source_span(eqn)
     for c in reversed(list(ctx)):
@@ -111,13 +111,13 @@ def _span(eqn: Any, ctx: Sequence[Context] = ()) -> tuple[str, int, str, int, in
     return span
 
 
-def loc(eqn: Any, ctx: Sequence[Context] = ()) -> str:
+def loc(eqn: compat.JaxprEqn, ctx: Sequence[Context] = ()) -> str:
     """``file.py:12`` of ``eqn``'s user source line."""
     span = _span(eqn, ctx)
     return f"{short_path(span[0])}:{span[1]}" if span else "unknown source line"
 
 
-def _code(eqn: Any, ctx: Sequence[Context] = ()) -> str:
+def _code(eqn: compat.JaxprEqn, ctx: Sequence[Context] = ()) -> str:
     span = _span(eqn, ctx)
     if not span:
         return ""
@@ -131,7 +131,7 @@ def _code(eqn: Any, ctx: Sequence[Context] = ()) -> str:
     return out
 
 
-def callee(eqn: Any) -> str:
+def callee(eqn: compat.JaxprEqn) -> str:
     """The library function (``logsumexp``, ``norm``) the user's line called to make ``eqn``, or ""."""
     c = compat.library_callee(eqn)
     if c is None:
@@ -200,7 +200,7 @@ def _elements(sel: Selection, input_names: dict[Any, str]) -> tuple[Element, ...
     it = occ.iteration
     for pos, mask in sorted(sel.masks.items()):
         shape = mask.shape
-        operands = range(len(occ.invals)) if (b.phase == "backward" or is_elementwise(b.eqn)) else ()
+        operands: Sequence[int] = range(len(occ.invals)) if (b.phase == "backward" or is_elementwise(b.eqn)) else ()
         if b.phase == "backward" and not is_elementwise(b.eqn):
             operands = [pos]
         for e in np.flatnonzero(mask)[:_KEEP_ELEMENTS - len(out)]:
@@ -289,7 +289,7 @@ def _explain_forward(sel: Selection) -> str:
         vals = ", ".join(_summ(v) for v in ins if v is not None)
         return f"`{p}` of finite inputs ({vals}) gave {res}{n}"
     if len(ins) == 2 and ins[0] is not None and ins[1] is not None and p in _BINARY_NAMES:
-        a, c = ins
+        a, c = ins[0], ins[1]
         if p == "mul":
             return f"`mul` 0·inf gave NaN{n} ({_summ(a)} · {_summ(c)})"
         if p in ("add", "sub"):
@@ -312,6 +312,7 @@ def _explain_backward(sel: Selection) -> str:
     if occ is None or first is None:
         return f"backward of `{p}` gave {res}"
     k, mask = first
+    assert occ.in_cts is not None  # a backward birth records its cotangents
     g = np.asarray(occ.in_cts[k])
     n = _of(int(mask.sum()), int(mask.size))
     x = np.asarray(occ.invals[k])
@@ -325,7 +326,7 @@ def _explain_backward(sel: Selection) -> str:
         vals = [at(v, mask) for v in occ.invals]
         if all(v is not None for v in vals):
             shown = [names[j] if j < len(names) else f"in{j}" for j in range(len(vals))]
-            where_ = f"({', '.join(shown)}) = (" + ", ".join(_summ(v) for v in vals) + ")"
+            where_ = f"({', '.join(shown)}) = (" + ", ".join(_summ(v) for v in vals if v is not None) + ")"
     out_ct = occ.out_cts[0] if occ.out_cts and len(occ.out_cts) == 1 else None
     if out_ct is not None and np.shape(out_ct) == g.shape and len(occ.outvals) == 1 and is_elementwise(b.eqn):
         ct = at(out_ct, mask)
@@ -341,6 +342,7 @@ def _rule_detail(sel: Selection) -> str:
     if occ is None or first is None:
         return ""
     k, mask = first
+    assert occ.in_cts is not None  # a backward birth records its cotangents
     g = np.asarray(occ.in_cts[k])
     x = at(occ.invals[k], mask) if np.shape(occ.invals[k]) == g.shape else None
     ct = at(occ.out_cts[0], mask) if occ.out_cts and np.shape(occ.out_cts[0]) == g.shape else None
@@ -352,7 +354,7 @@ def _rule_detail(sel: Selection) -> str:
     return " (" + ", ".join(parts) + ")"
 
 
-def _partial(occ: Occurrence, eqn: Any, k: int, mask: np.ndarray) -> np.ndarray | None:
+def _partial(occ: Occurrence, eqn: compat.JaxprEqn, k: int, mask: np.ndarray) -> np.ndarray | None:
     """∂eqn/∂operand k at the masked elements (a JVP with a ones tangent)."""
     invals = list(occ.invals)
 

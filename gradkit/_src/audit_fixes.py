@@ -48,7 +48,7 @@ _TABLES = ("SAFE", "STABLE")  # rule tables whose primitive rules may cover an o
 class Patch:
     """Replace equation ``eqn`` by ``fn`` applied to the values of ``atoms`` (variables of its jaxpr)."""
 
-    eqn: Any
+    eqn: compat.JaxprEqn
     atoms: tuple[Any, ...]
     fn: Callable[..., Any]
 
@@ -69,7 +69,7 @@ def _stable(name: str) -> tuple[str, Callable[..., Any]]:
 # --------------------------------------------------------------------------- looking around an equation
 
 
-def _holder(closed: Any, eqn: Any) -> Any:
+def _holder(closed: Any, eqn: compat.JaxprEqn) -> Any:
     """The (sub-)jaxpr that holds ``eqn``."""
     return next((j for e, j in walk.equations(closed) if e is eqn), None)
 
@@ -80,7 +80,7 @@ def _producer(jaxpr: Any, var: Any) -> Any:
     return next((e for e in jaxpr.eqns if var in e.outvars), None)
 
 
-def _consumers(jaxpr: Any, eqn: Any) -> list[Any]:
+def _consumers(jaxpr: Any, eqn: compat.JaxprEqn) -> list[Any]:
     outs = set(eqn.outvars)
     return [e for e in jaxpr.eqns if any((not compat.is_literal(a)) and a in outs for a in e.invars)]
 
@@ -89,7 +89,7 @@ def _is_one(atom: Any) -> bool:
     return compat.is_literal(atom) and bool(np.all(np.asarray(atom.val) == 1))
 
 
-def _square_base(eqn: Any) -> Any:
+def _square_base(eqn: compat.JaxprEqn) -> Any:
     """``x`` when ``eqn`` computes ``x**2`` (integer_pow, square, or x*x)."""
     if eqn is None:
         return None
@@ -184,7 +184,7 @@ def _first_doc_line(f: Any) -> str:
     return doc[0].strip().replace("``", "`") if doc else ""
 
 
-def _prim_patch(eqn: Any, name: str, f: Callable[..., Any], what: str, line: str) -> Candidate:
+def _prim_patch(eqn: compat.JaxprEqn, name: str, f: Callable[..., Any], what: str, line: str) -> Candidate:
     lib = callee(eqn)
     shown = lib if lib and _CALLEE_FIX.get(lib) == name.split(".")[-1] else eqn.primitive.name
     return Candidate(Fix("code", name, f"replace `{shown}` at {line} with `{gk_name(name)}` ({what})."),
@@ -222,13 +222,14 @@ def patched_program(closed: Any, patches: Sequence[Patch]) -> Any:
     """``closed`` with each patched equation replaced by one ``jit`` equation calling the patch."""
     by_eqn = {id(p.eqn): p for p in patches}
 
-    def replace(eqn: Any) -> list[Any] | None:
+    def replace(eqn: compat.JaxprEqn) -> list[Any] | None:
         p = by_eqn.get(id(eqn))
         if p is None or p.eqn is not eqn:
             return None
 
         def fn(*xs: Any) -> list[Any]:  # the stable function's result, in the replaced equation's avals
-            return [jnp.asarray(o).astype(v.aval.dtype).reshape(v.aval.shape) for o, v in zip(p.fn(*xs), eqn.outvars)]
+            outs = [compat.struct_of(v.aval) for v in eqn.outvars]
+            return [jnp.asarray(o).astype(s.dtype).reshape(s.shape) for o, s in zip(p.fn(*xs), outs)]
         with compat.source_of(eqn):
             return [compat.call_equation(fn, p.atoms, eqn.outvars, eqn)]
     return walk.Rewrite(replace)(closed)
@@ -246,7 +247,7 @@ def apply_fix(cand: Candidate, prog: Program, fn: Any, table: Any, closed: Any) 
             fixed_flat = prog.with_fn(override(fn, cand.table if table is None else (table | cand.table))).flat()
         else:
             fixed = patched_program(closed, cand.patches or ())
-            fixed_flat = lambda *d: compat.eval_jaxpr(fixed, d)  # noqa: E731
+            fixed_flat = lambda *d: compat.eval_jaxpr(fixed, d)
         _, grads = gradient(fixed_flat, prog.dyn)
     except Exception as e:  # the fix does not apply to this program: say so, keep looking
         return dataclasses.replace(fx, applied=False, note=f"re-run failed: {type(e).__name__}: {one_line(str(e))}")
@@ -310,7 +311,7 @@ def fd_check(prog: Program, grads: Sequence[np.ndarray], max_coords: int = 256
                 def total(v: jax.Array, pos: int = pos) -> jax.Array:
                     d = list(dyn64)
                     d[pos] = v
-                    return sum(jnp.sum(o.astype(jnp.float64)) for o in prog64.call(d))
+                    return jnp.asarray(sum(jnp.sum(o.astype(jnp.float64)) for o in prog64.call(d)))
 
                 coords = select_coords(x.size, max_coords)
                 step = 1e-6 * np.maximum(1.0, np.abs(np.asarray(x).reshape(-1)[coords]))
@@ -332,7 +333,8 @@ def fd_check(prog: Program, grads: Sequence[np.ndarray], max_coords: int = 256
                 rel = relative_error(gu, c, atol / rtol)
                 worst = max(worst, float(np.max(rel)))
     except Exception as e:  # the function does not run in float64: no comparison, and the report says why
-        return None, None, compared, excluded, f"finite differences in float64 failed: {type(e).__name__}: {one_line(str(e))}"
+        return None, None, compared, excluded, (f"finite differences in float64 failed: "
+                                              f"{type(e).__name__}: {one_line(str(e))}")
     if compared == 0:
         return None, None, 0, excluded, "no element where finite differences are defined"
     return ok, worst, compared, excluded, ""

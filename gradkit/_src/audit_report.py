@@ -130,7 +130,8 @@ class Fix:
                     + dataclasses.replace(self, checked_with="").verdict())
         if not self.finite:
             return "gradient still non-finite" + (f" ({self.note})" if self.note else "")
-        excl = (f"; {self.excluded} element(s) left out where finite differences are undefined (a kink, a jump or a non-finite value)"
+        excl = (f"; {self.excluded} element(s) left out where finite differences are undefined "
+                "(a kink, a jump or a non-finite value)"
                 if self.excluded else "")
         if self.matches_fd is None:
             return f"gradient finite; not compared with finite differences ({self.note or 'no comparable element'})"
@@ -307,7 +308,8 @@ def render(r: AuditReport) -> str:
         if root.code:
             lines += [f"{ind}          {ln}" for ln in root.code.splitlines()]
         for s in f.chain[1:]:
-            lines.append(f"{ind}then      {s.location}  {s.message}" + (f", {s.where}" if s.where and s.where != root.where else ""))
+            where = f", {s.where}" if s.where and s.where != root.where else ""
+            lines.append(f"{ind}then      {s.location}  {s.message}{where}")
             if s.elements:
                 lines.append(f"{ind}          at {elements_text(s.elements, s.count)}")
         if f.fix is not None:

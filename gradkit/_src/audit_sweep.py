@@ -38,7 +38,7 @@ def sweep(prog: Program, progress: Callable[[int, int, str], None] | None,
     def run(*d: Any) -> tuple[Any, Any]:
         out, vjp = jax.vjp(flat, *d)
         g = vjp([jnp.ones_like(o) for o in out])
-        fin = lambda xs: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))  # noqa: E731
+        fin = lambda xs: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))
         return fin(out), fin(g)
     run_j = jax.jit(run)
     plan = []
@@ -64,7 +64,7 @@ def sweep(prog: Program, progress: Callable[[int, int, str], None] | None,
             broken.append((pos, label, d, bool(vf)))
     if progress is not None:
         progress(len(plan), len(plan), "done")
-    probes = []
+    probes: list[Any] = []
     for pos, label, d, vf in broken:
         op = where = ""
         if len(probes) < _LOCATED:

@@ -255,7 +255,7 @@ def check_grads(fn: Callable[..., Any], args: Sequence[Any], order: int = 2,
                 for o in range(1, order + 1):
                     rows.append(_check_one(h0, x, mode, o, coords, out_shape, label, atol, rtol, eps))
         # integer inputs are held fixed (JAX's check cannot perturb them)
-        float_fn = lambda *d: fn(*split.combine(d))  # noqa: E731
+        float_fn = lambda *d: fn(*split.combine(d))
         for mode in modes:
             verdicts.append(_jax_verdict(float_fn, tuple(dyn), order, mode, atol, rtol, eps))
     report = GradCheckReport(fn_name(fn), tuple(rows), tuple(verdicts), atol, rtol, eps)

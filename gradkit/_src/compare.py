@@ -195,6 +195,7 @@ def compare(fn: Callable[..., Any], reference: Callable[..., Any] | str, args: S
                 ref = differences(at64.fn_of_leaf(fn), at64.x, np.arange(at.x.size), eps).central
                 ref = ref.reshape(custom.shape)
         else:
+            assert callable(reference)
             ref = _jacobian(reference, at, mode)
         results.append(_compare_input(label, at, custom, ref, use_fd, rtol, max_side_by_side,
                                       reference if not use_fd else None, out_shape))
@@ -232,7 +233,7 @@ def _compare_input(label: str, at: _Point, custom: np.ndarray, ref: np.ndarray, 
     x_flat = x_np.reshape(-1)
     causes = _diagnose(label, x_flat, c64.reshape(-1, n_in), r64.reshape(-1, n_in), bad.reshape(-1, n_in),
                        rel.reshape(-1, n_in), c_dtype, r_dtype, np.dtype(x.dtype), reference, at)
-    side = ()
+    side: tuple[tuple[str, float, float, float], ...] = ()
     if c64.size <= max_side_by_side:
         side = tuple((derivative_label(1, out_shape, k // n_in, tuple(x.shape), [k % n_in], label).split(" / ")[-1]
                       if not out_shape else derivative_label(1, out_shape, k // n_in, tuple(x.shape),
@@ -286,8 +287,8 @@ def _diagnose(label: str, x: np.ndarray, c: np.ndarray, r: np.ndarray, bad: np.n
             f"reference is not (max |reference| there {fmt(np.max(np.abs(r[zero_c])))}): the rule drops an "
             f"input or a term (a None cotangent, a stop_gradient).")
         return causes
-    elementwise = c.shape[0] == 1 or (c.shape[0] == c.shape[1] and np.all(c[~np.eye(*c.shape, dtype=bool)] == 0)
-                                      and np.all(r[~np.eye(*r.shape, dtype=bool)] == 0))
+    off = np.eye(*c.shape) == 0  # off the diagonal
+    elementwise = c.shape[0] == 1 or (c.shape[0] == c.shape[1] and np.all(c[off] == 0) and np.all(r[off] == 0))
     nonzero = (r != 0) | (c != 0)
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = c[nonzero] / r[nonzero]

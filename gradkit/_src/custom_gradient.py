@@ -197,7 +197,7 @@ def _make_rule(info: FnInfo, mode: Kind) -> Rule:
 
     def jvp_fn(op: OpView, tangents: Any) -> tuple[Any, ...]:
         call, dyn, outputs, closure, out = prepare(op)
-        t_leaves = jax.tree_util.tree_structure(tuple(op.inputs)).flatten_up_to(tuple(tangents))
+        t_leaves = jax.tree_util.tree_structure(tuple(op.inputs)).flatten_up_to(tuple(tangents))  # type: ignore[attr-defined]
         t_dyn = [t_leaves[p] if is_array(t_leaves[p]) or is_number(t_leaves[p]) else None
                  for p in call.sig.split.dyn_pos]
         if mode == "both":

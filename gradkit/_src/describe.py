@@ -12,7 +12,7 @@ import inspect
 import math
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, SupportsInt
 
 import jax
 import jax.numpy as jnp
@@ -96,7 +96,7 @@ def fmt(v: Any) -> str:
     return f"{v:.3g}"
 
 
-def fmt_index(idx: Sequence[int]) -> str:
+def fmt_index(idx: Sequence[SupportsInt]) -> str:
     """``[1,2]`` for a multi-index; ``""`` for a scalar's empty one."""
     return "[" + ",".join(str(int(i)) for i in idx) + "]" if len(idx) else ""
 

@@ -196,8 +196,7 @@ class Overridden:
         # JAX's messages about this trace name the user's function, not `flat`
         # (the signature stays flat's own: `dyn[i]`, explained by _trace's note).
         flat.__name__ = flat.__qualname__ = _fname(self._fn).rsplit(".", 1)[-1]
-        flat.__wrapped__ = self._fn  # type: ignore[attr-defined]
-        flat.__signature__ = inspect.signature(_dyn_signature)  # type: ignore[attr-defined]
+        vars(flat).update(__wrapped__=self._fn, __signature__=inspect.signature(_dyn_signature))
         return flat
 
     def _build(self, split: _args.Split, dyn: Sequence[Any], count: bool) -> _Entry:
@@ -264,16 +263,16 @@ def _dyn_names(fn: Any, split: _args.Split) -> list[str]:
     try:  # best effort: only for an error message (custom pytree nodes may reject int leaves)
         args, kwargs = jax.tree_util.tree_unflatten(split.treedef, list(range(split.num_leaves)))
         for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
-            head, rest = path[0].idx, path[1:]  # type: ignore[attr-defined]
+            head, rest = path[0].idx, path[1:]
             if head == 0:
-                pos = rest[0].idx  # type: ignore[attr-defined]
+                pos = rest[0].idx
                 usable = pos < len(params) and params[pos].kind in (
                     inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
                 base = params[pos].name if usable else f"args[{pos}]"
             else:
-                base = str(rest[0].key)  # type: ignore[attr-defined]
+                base = str(rest[0].key)
             names[leaf] = base + jax.tree_util.keystr(tuple(rest[1:]))
-    except Exception:  # noqa: BLE001
+    except Exception:
         pass
     return [names.get(i, f"argument leaf {i}") for i in split.dyn_pos]
 

@@ -74,11 +74,11 @@ def differences(h: Callable[[Any], Any], x: Any, coords: np.ndarray, step: float
     x = jnp.asarray(x)
     m = len(coords)
     steps = np.broadcast_to(np.asarray(step, dtype=np.float64), (m,))
-    basis = np.zeros((m, x.size), dtype=np.dtype(x.dtype))
-    basis[np.arange(m), coords] = steps
-    basis = jnp.asarray(basis.reshape((m,) + x.shape))
+    rows = np.zeros((m, x.size), dtype=np.dtype(x.dtype))
+    rows[np.arange(m), coords] = steps
+    basis = jnp.asarray(rows.reshape((m,) + x.shape))
     points = [x[None] + basis, x[None] - basis] + ([x[None]] if one_sided else [])
-    flat_h = lambda v: jnp.ravel(h(v))  # noqa: E731
+    flat_h = lambda v: jnp.ravel(h(v))
     try:
         vals = np.asarray(call_jit(jax.vmap(flat_h), jnp.concatenate(points)), dtype=np.float64)
     except Exception:  # a function that does not vmap: one call per point

@@ -165,7 +165,7 @@ def ready_table(family: str, table: str) -> dict[str, Rule]:
 # =========================================================================== generic rules
 
 
-def _first_input_rule(scale_fn: Callable[[OpView, Any], Any]):
+def _first_input_rule(scale_fn: Callable[[OpView, Any], Any]) -> Callable[[OpView, tuple[Any, ...]], Any]:
     def rule(op: OpView, tangents: tuple[Any, ...]) -> Any:
         t = tangents[0] if tangents else None
         if t is None:
@@ -195,7 +195,7 @@ def _clamped(name: str, jvp: Callable[[Any, jax.Array], Any]) -> Callable[[Mappi
     def factory(params: Mapping[str, Any], op_name: str) -> Rule:
         eps = params.get("eps")
 
-        def rule(op: OpView, tangents):
+        def rule(op: OpView, tangents: tuple[Any, ...]) -> Any:
             x, t = op.inputs[0], tangents[0]
             if t is None:
                 return None
@@ -215,7 +215,7 @@ _clamped_sqrt = _clamped("clamped_sqrt", lambda t, x: t * (0.5 / jnp.sqrt(x)))
 def _scale(params: Mapping[str, Any], op_name: str, sign: float = 1.0, name: str = "scale_gradient") -> Rule:
     s = sign * params["scale"]
 
-    def rule(op: OpView, tangents):
+    def rule(op: OpView, tangents: tuple[Any, ...]) -> Any:
         out = default_jvp(op, tangents, f"gradkit.{name}")
         return jax.tree_util.tree_map(lambda v: v * jnp.asarray(s, jnp.result_type(v)), out)
 
@@ -229,7 +229,7 @@ def _reverse(params: Mapping[str, Any], op_name: str) -> Rule:
 def _clip(params: Mapping[str, Any], op_name: str) -> Rule:
     lo, hi = params.get("lo", -math.inf), params.get("hi", math.inf)
 
-    def rule(op: OpView, g):
+    def rule(op: OpView, g: Any) -> Any:
         _, vjp = jax.vjp(op_function(op, "gradkit.clip_gradient"), *op.inputs)
         cts = vjp(g)
         return tuple(None if c is None or not jnp.issubdtype(c.dtype, jnp.inexact)

@@ -162,7 +162,10 @@ def op(name: str) -> Callable[[F], F]:
                     entry = jitted.get(key)
                 if entry is None:
                     register(sig)
-                    entry = (sig, compile_op(sig, lambda d, sig=sig: fn(*sig.args(d), **sig.kwargs)))
+                    def call(d: Sequence[Any], sig: Any = sig) -> Any:
+                        return fn(*sig.args(d), **sig.kwargs)
+
+                    entry = (sig, compile_op(sig, call))
                     with _lock:
                         entry = jitted.setdefault(key, entry)
             sig, call = entry

@@ -59,12 +59,12 @@ COPYING: dict[str, tuple[int, ...] | None] = {  # None: every operand holds data
 _MAX_ATOMS = 10_000  # per birth: elements beyond it share one atom (element -1)
 
 
-def is_elementwise(eqn: Any) -> bool:
+def is_elementwise(eqn: compat.JaxprEqn) -> bool:
     """``eqn`` is element-wise and single-output (its operands are of the output's shape or scalars)."""
     if eqn.primitive.name not in ELEMENTWISE or len(eqn.outvars) != 1:
         return False
-    shape = tuple(eqn.outvars[0].aval.shape)
-    return all(tuple(a.aval.shape) in (shape, ()) for a in eqn.invars)
+    shape = compat.struct_of(eqn.outvars[0].aval).shape
+    return all(compat.struct_of(a.aval).shape in (shape, ()) for a in eqn.invars)
 
 
 class Provenance:
@@ -145,7 +145,7 @@ def restrict(label: Label | None, value: Any) -> Label | None:
     return out if out.any() else None
 
 
-def sources(eqn: Any, invals: Sequence[Any]) -> tuple[np.ndarray, list[int], list[int]] | None:
+def sources(eqn: compat.JaxprEqn, invals: Sequence[Any]) -> tuple[np.ndarray, list[int], list[int]] | None:
     """For a copying op: the flat source of each output element, over the data operands laid end to end.
 
     Returns ``(source per output element, or -1), data operand positions, their

@@ -50,7 +50,7 @@ class Replay:
         self.max_while = max_while
         self._handlers: dict[int, tuple[Any, Handler]] = {}
 
-    def handler(self, eqn: Any) -> Handler:
+    def handler(self, eqn: compat.JaxprEqn) -> Handler:
         hit = self._handlers.get(id(eqn))
         if hit is None or hit[0] is not eqn:
             h = HANDLERS.get(eqn.primitive.name) or (CALL if call_body(eqn) is not None else LEAF)
@@ -59,7 +59,7 @@ class Replay:
 
     # ------------------------------------------------------------------ births
 
-    def record(self, eqn: Any, phase: str, kind: str, ctx: tuple[Context, ...], pos: int, mask: np.ndarray,
+    def record(self, eqn: compat.JaxprEqn, phase: str, kind: str, ctx: tuple[Context, ...], pos: int, mask: np.ndarray,
                label: Label, values: dict[str, Any]) -> None:
         """Notes that the ``mask`` elements of position ``pos`` were born here; adds their atoms to ``label``."""
         key = (id(eqn), phase, kind, tuple(c.static() for c in ctx))

@@ -43,7 +43,7 @@ def _stack(labels: Sequence[Label | None], shape: tuple[int, ...]) -> Label | No
 
 
 class Scan:
-    def forward(self, rp: Any, frame: Frame, idx: int, eqn: Any, invals: list[Any], act_in: list[bool],
+    def forward(self, rp: Any, frame: Frame, idx: int, eqn: compat.JaxprEqn, invals: list[Any], act_in: list[bool],
                 labels: Labels) -> tuple[list[Any], Labels]:
         lay = compat.scan_layout(eqn)
         body, bconsts = compat.jaxpr_parts(lay.body)
@@ -66,12 +66,13 @@ class Scan:
         frame.subs[idx] = frames
         stacked, l_stacked = [], []
         for k, v in enumerate(eqn.outvars[nk:]):
-            item = tuple(v.aval.shape[1:])
-            stacked.append(jnp.stack([ys[i][k] for i in range(n)]) if n else jnp.zeros(v.aval.shape, v.aval.dtype))
+            out = compat.struct_of(v.aval)
+            item = tuple(out.shape[1:])
+            stacked.append(jnp.stack([ys[i][k] for i in range(n)]) if n else jnp.zeros(out.shape, out.dtype))
             l_stacked.append(_stack([l_ys[i][k] for i in range(n)], item) if n else None)
         return list(carry) + stacked, list(l_carry) + l_stacked
 
-    def backward(self, rp: Any, frame: Frame, idx: int, eqn: Any, out_cts: list[Ct]) -> list[Ct]:
+    def backward(self, rp: Any, frame: Frame, idx: int, eqn: compat.JaxprEqn, out_cts: list[Ct]) -> list[Ct]:
         frames = frame.subs[idx]
         lay = compat.scan_layout(eqn)
         nc, nk, n = lay.num_consts, lay.num_carry, lay.length
@@ -97,7 +98,7 @@ class Scan:
             if all(v is None for v in xs_ct[k]):
                 xs_out.append(None)
                 continue
-            aval = eqn.invars[nc + nk + k].aval
+            aval = compat.struct_of(eqn.invars[nc + nk + k].aval)
             item = tuple(aval.shape[1:])
             slices = [v if v is not None else jnp.zeros(item, aval.dtype) for v in xs_ct[k]]
             xs_out.append((jnp.stack(slices), _stack(xs_lab[k], item)))
@@ -105,7 +106,7 @@ class Scan:
 
 
 class Cond:
-    def forward(self, rp: Any, frame: Frame, idx: int, eqn: Any, invals: list[Any], act_in: list[bool],
+    def forward(self, rp: Any, frame: Frame, idx: int, eqn: compat.JaxprEqn, invals: list[Any], act_in: list[bool],
                 labels: Labels) -> tuple[list[Any], Labels]:
         branches = compat.cond_layout(eqn).branches
         k = int(np.clip(int(np.asarray(invals[0])), 0, len(branches) - 1))
@@ -115,12 +116,12 @@ class Cond:
         frame.subs[idx] = sub
         return sub.outputs(), sub.output_labels()
 
-    def backward(self, rp: Any, frame: Frame, idx: int, eqn: Any, out_cts: list[Ct]) -> list[Ct]:
+    def backward(self, rp: Any, frame: Frame, idx: int, eqn: compat.JaxprEqn, out_cts: list[Ct]) -> list[Ct]:
         return [None] + rp.backward(frame.subs[idx], out_cts)
 
 
 class While:
-    def forward(self, rp: Any, frame: Frame, idx: int, eqn: Any, invals: list[Any], act_in: list[bool],
+    def forward(self, rp: Any, frame: Frame, idx: int, eqn: compat.JaxprEqn, invals: list[Any], act_in: list[bool],
                 labels: Labels) -> tuple[list[Any], Labels]:
         """Runs the loop one iteration at a time (births inside get the iteration number).
 
@@ -148,12 +149,12 @@ class While:
             carry, l_carry = sub.outputs(), sub.output_labels()
             k += 1
 
-    def backward(self, rp: Any, frame: Frame, idx: int, eqn: Any, out_cts: list[Ct]) -> list[Ct]:
+    def backward(self, rp: Any, frame: Frame, idx: int, eqn: compat.JaxprEqn, out_cts: list[Ct]) -> list[Ct]:
         return LEAF.backward(rp, frame, idx, eqn, out_cts)  # JAX's own error for an active while loop
 
 
 class Call:
-    def forward(self, rp: Any, frame: Frame, idx: int, eqn: Any, invals: list[Any], act_in: list[bool],
+    def forward(self, rp: Any, frame: Frame, idx: int, eqn: compat.JaxprEqn, invals: list[Any], act_in: list[bool],
                 labels: Labels) -> tuple[list[Any], Labels]:
         body, consts = call_body(eqn)  # type: ignore[misc]  # Call is chosen only when there is one
         label = _jit_label(eqn)
@@ -162,11 +163,11 @@ class Call:
         frame.subs[idx] = sub
         return sub.outputs(), sub.output_labels()
 
-    def backward(self, rp: Any, frame: Frame, idx: int, eqn: Any, out_cts: list[Ct]) -> list[Ct]:
+    def backward(self, rp: Any, frame: Frame, idx: int, eqn: compat.JaxprEqn, out_cts: list[Ct]) -> list[Ct]:
         return rp.backward(frame.subs[idx], out_cts)
 
 
-def _jit_label(eqn: Any) -> str:
+def _jit_label(eqn: compat.JaxprEqn) -> str:
     """The name of a jitted library function (``logsumexp``), for "inside `logsumexp`"; else ""."""
     from gradkit._src.dispatch import op_name
 

@@ -16,7 +16,7 @@ record which births every non-finite element came from.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -29,11 +29,17 @@ from gradkit._src.provenance import COPYING, READS_COTANGENT_ONLY, Label, Proven
 from gradkit._src.replay_state import Context, Ct, Frame
 
 
+def _nf(x: Any, kind: str) -> np.ndarray:
+    """``nonfinite_mask`` of a value that is inexact here (its mask is never ``None``)."""
+    m = nonfinite_mask(x, kind)
+    return np.zeros(np.shape(x), bool) if m is None else m
+
+
 def _masks(values: Sequence[Any], shape: tuple[int, ...], kind: str) -> np.ndarray:
     """Where any of ``values`` (each of ``shape`` or a scalar) is NaN (``"nan"``) or non-finite (``"any"``)."""
     out = np.zeros(shape, bool)
     for v in values:
-        m = nonfinite_mask(v, kind)
+        m = _nf(v, kind)
         if m is not None and np.shape(m) in (shape, ()):
             out |= np.broadcast_to(m, shape)
     return out
@@ -67,13 +73,13 @@ class Leaf:
 
     # ------------------------------------------------------------------ forward
 
-    def forward(self, rp: Any, frame: Frame, idx: int, eqn: Any, invals: list[Any], act_in: list[bool],
+    def forward(self, rp: Any, frame: Frame, idx: int, eqn: compat.JaxprEqn, invals: list[Any], act_in: list[bool],
                 labels: list[Label | None]) -> tuple[list[Any], list[Label | None]]:
         with compat.source_of(eqn):
             outs = compat.bind(eqn, invals)
         return outs, self.forward_labels(rp, frame.ctx, eqn, invals, labels, outs)
 
-    def forward_labels(self, rp: Any, ctx: tuple[Context, ...], eqn: Any, invals: list[Any],
+    def forward_labels(self, rp: Any, ctx: tuple[Context, ...], eqn: compat.JaxprEqn, invals: list[Any],
                        labels: list[Label | None], outs: list[Any]) -> list[Label | None]:
         bad = [nonfinite_mask(o) for o in outs]
         if not any(m is not None and m.any() for m in bad):
@@ -88,22 +94,22 @@ class Leaf:
                 chosen = np.take_along_axis(np.stack(cases), which[None], 0)[0]
                 label = np.where(bad[0], chosen, 0).astype(np.int32)
             else:
-                label = prov.combine(labels, shape, bad[0])
-            born = {"nan": nonfinite_mask(outs[0], "nan") & ~_masks(invals, shape, "nan"),
-                    "inf": nonfinite_mask(outs[0], "inf") & ~_masks(invals, shape, "any")}
+                label = prov.combine(labels, shape, _nf(outs[0], "any"))
+            born = {"nan": _nf(outs[0], "nan") & ~_masks(invals, shape, "nan"),
+                    "inf": _nf(outs[0], "inf") & ~_masks(invals, shape, "any")}
             self._births(rp, eqn, "forward", ctx, 0, label, born, values)
             return [label]
         src = sources(eqn, invals)
         if src is not None:
             source, data, offsets = src
-            flat = [np.zeros(np.size(invals[k]), np.int32) if labels[k] is None else labels[k].reshape(-1)
+            flat = [np.zeros(np.size(invals[k]), np.int32) if labels[k] is None else cast(Label, labels[k]).reshape(-1)
                     for k in data]
             every = np.concatenate(flat) if flat else np.zeros(0, np.int32)
             copied = np.where(source >= 0, every[np.maximum(source, 0)] if every.size else 0, 0)
             shape = np.shape(outs[0])
             label = np.where(bad[0], copied.reshape(shape), 0).astype(np.int32)
             orphan = (source < 0).reshape(shape)  # a padding or fill value, not a copy
-            born = {"nan": nonfinite_mask(outs[0], "nan") & orphan, "inf": nonfinite_mask(outs[0], "inf") & orphan}
+            born = {"nan": _nf(outs[0], "nan") & orphan, "inf": _nf(outs[0], "inf") & orphan}
             self._births(rp, eqn, "forward", ctx, 0, label, born, values)
             return [label]
         sid = prov.union_all(labels)
@@ -114,13 +120,13 @@ class Leaf:
                 result.append(None)
                 continue
             label = np.where(m, sid, 0).astype(np.int32)
-            born = {"nan": nonfinite_mask(o, "nan") & (not in_nan), "inf": nonfinite_mask(o, "inf") & (not in_nf)}
+            born = {"nan": _nf(o, "nan") & (not in_nan), "inf": _nf(o, "inf") & (not in_nf)}
             self._births(rp, eqn, "forward", ctx, j, label, born, values)
             result.append(label)
         return result
 
     @staticmethod
-    def _births(rp: Any, eqn: Any, phase: str, ctx: tuple[Context, ...], pos: int, label: np.ndarray,
+    def _births(rp: Any, eqn: compat.JaxprEqn, phase: str, ctx: tuple[Context, ...], pos: int, label: np.ndarray,
                 born: dict[str, np.ndarray], values: dict[str, Any]) -> None:
         for kind in ("nan", "inf"):
             if born[kind].any():
@@ -128,7 +134,7 @@ class Leaf:
 
     # ------------------------------------------------------------------ backward
 
-    def backward(self, rp: Any, frame: Frame, idx: int, eqn: Any, out_cts: list[Ct]) -> list[Ct]:
+    def backward(self, rp: Any, frame: Frame, idx: int, eqn: compat.JaxprEqn, out_cts: list[Ct]) -> list[Ct]:
         invals = [frame.read(a) for a in eqn.invars]
         dyn = tuple(k for k, a in enumerate(eqn.invars) if frame.is_active(a) and is_float_aval(a.aval))
         if not dyn:
@@ -167,22 +173,22 @@ class Leaf:
                 linear = eqn.primitive.name in READS_COTANGENT_ONLY
                 reads = cts if linear else cts + invals + outvals
                 label = prov.combine(ct_labels if linear else ct_labels + in_labels + out_labels, shape, bad)
-                born = {"nan": nonfinite_mask(g, "nan") & ~_masks(reads, shape, "nan"),
-                        "inf": nonfinite_mask(g, "inf") & ~_masks(reads, shape, "any")}
+                born = {"nan": _nf(g, "nan") & ~_masks(reads, shape, "nan"),
+                        "inf": _nf(g, "inf") & ~_masks(reads, shape, "any")}
             elif copying is not None and k in copying[1]:
                 source, data, offsets = copying
                 off = offsets[data.index(k)]
                 ct_label = ct_labels[0] if ct_labels[0] is not None else np.zeros(np.shape(cts[0]), np.int32)
                 label = _scatter_union(prov, source, ct_label, off, int(np.size(g))).reshape(shape)
                 label = np.where(bad, label, 0).astype(np.int32)
-                born = {"nan": nonfinite_mask(g, "nan") & (not _any(cts, "nan")),
-                        "inf": nonfinite_mask(g, "inf") & (not _any(cts, "any"))}
+                born = {"nan": _nf(g, "nan") & (not _any(cts, "nan")),
+                        "inf": _nf(g, "inf") & (not _any(cts, "any"))}
             else:
                 reads = cts + invals + outvals
                 sid = prov.union_all(ct_labels + in_labels + out_labels)
                 label = np.where(bad, sid, 0).astype(np.int32)
-                born = {"nan": nonfinite_mask(g, "nan") & (not _any(reads, "nan")),
-                        "inf": nonfinite_mask(g, "inf") & (not _any(reads, "any"))}
+                born = {"nan": _nf(g, "nan") & (not _any(reads, "nan")),
+                        "inf": _nf(g, "inf") & (not _any(reads, "any"))}
             self._births(rp, eqn, "backward", frame.ctx, k, label, born, values)
             result[k] = (g, label if label.any() else None)
         return result

@@ -29,7 +29,7 @@ class Context:
     """Where an equation runs: inside a scan iteration, a cond branch, a jit function."""
 
     kind: str  # "scan" | "while" | "cond" | "jit"
-    eqn: Any
+    eqn: compat.JaxprEqn
     index: int = 0  # scan/while: the iteration; cond: the branch taken
     size: int = 0  # scan: length; cond: number of branches; while: 0 (not known up front)
     name: str = ""
@@ -71,7 +71,7 @@ class Birth:
     """Where non-finite values first appeared, aggregated over loop iterations."""
 
     key: int
-    eqn: Any
+    eqn: compat.JaxprEqn
     phase: str  # "forward" | "backward"
     kind: str  # "nan" | "inf"
     ctx: tuple[Context, ...]  # of the first occurrence
@@ -135,7 +135,7 @@ class Frame:
 class Handler(Protocol):
     """How the replay runs one kind of equation forward and backward (see :mod:`replay_control`)."""
 
-    def forward(self, rp: Any, frame: Frame, idx: int, eqn: Any, invals: list[Any], act_in: list[bool],
+    def forward(self, rp: Any, frame: Frame, idx: int, eqn: compat.JaxprEqn, invals: list[Any], act_in: list[bool],
                 labels: list[Label | None]) -> tuple[list[Any], list[Label | None]]: ...
 
-    def backward(self, rp: Any, frame: Frame, idx: int, eqn: Any, out_cts: list[Ct]) -> list[Ct]: ...
+    def backward(self, rp: Any, frame: Frame, idx: int, eqn: compat.JaxprEqn, out_cts: list[Ct]) -> list[Ct]: ...

@@ -5,11 +5,30 @@ from __future__ import annotations
 import dataclasses
 import types
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, overload
+from typing import Any, Literal, Protocol, overload
 
 from gradkit._src.errors import GradkitError
 
 Mode = Literal["vjp", "jvp"]
+
+
+class VjpFn(Protocol):
+    """A reverse-mode rule: the operation and its output cotangent(s) in, one cotangent per input out.
+
+    ``g`` is one array for a single-output operation, else a tuple; return a
+    tuple with one entry per input (``None`` for "no gradient").
+    """
+
+    def __call__(self, op: OpView, g: Any, /) -> Any: ...
+
+
+class JvpFn(Protocol):
+    """A forward-mode rule: the operation and one tangent per input (``None``: zero) in, the output tangent(s) out.
+
+    It must be linear in the tangents; reverse mode is its transpose.
+    """
+
+    def __call__(self, op: OpView, tangents: tuple[Any, ...], /) -> Any: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +69,7 @@ class Rule:
         ``(rule name, parameters)`` so equal configs fingerprint equally.
     """
 
-    fn: Callable[..., Any]
+    fn: VjpFn | JvpFn
     mode: Mode = "vjp"
     name: str = ""
     key: tuple[Any, ...] = ()
@@ -61,7 +80,8 @@ class Rule:
                 f"rule {self.name or '<unnamed>'}: expected a callable `fn(op, g)`, got "
                 f"{type(self.fn).__name__}. Pass a function to gk.vjp_rule / gk.jvp_rule.")
         if self.mode not in ("vjp", "jvp"):
-            raise GradkitError(f"rule {self.name or _qualname(self.fn)}: mode must be 'vjp' or 'jvp', got {self.mode!r}.")
+            raise GradkitError(f"rule {self.name or _qualname(self.fn)}: mode must be 'vjp' or 'jvp', "
+                               f"got {self.mode!r}.")
         if not self.name:
             object.__setattr__(self, "name", _qualname(self.fn))
         if not self.key:
@@ -78,9 +98,9 @@ def _qualname(fn: Any) -> str:
 
 
 @overload
-def vjp_rule(fn: Callable[[OpView, Any], Any], *, name: str | None = None) -> Rule: ...
+def vjp_rule(fn: VjpFn, *, name: str | None = None) -> Rule: ...
 @overload
-def vjp_rule(fn: None = None, *, name: str | None = None) -> Callable[[Callable[[OpView, Any], Any]], Rule]: ...
+def vjp_rule(fn: None = None, *, name: str | None = None) -> Callable[[VjpFn], Rule]: ...
 
 
 def vjp_rule(fn=None, *, name=None):
@@ -105,9 +125,9 @@ def vjp_rule(fn=None, *, name=None):
 
 
 @overload
-def jvp_rule(fn: Callable[[OpView, Any], Any], *, name: str | None = None) -> Rule: ...
+def jvp_rule(fn: JvpFn, *, name: str | None = None) -> Rule: ...
 @overload
-def jvp_rule(fn: None = None, *, name: str | None = None) -> Callable[[Callable[[OpView, Any], Any]], Rule]: ...
+def jvp_rule(fn: None = None, *, name: str | None = None) -> Callable[[JvpFn], Rule]: ...
 
 
 def jvp_rule(fn=None, *, name=None):

@@ -83,7 +83,7 @@ def _finite_literal(a: Any) -> bool:
 def _same_params(a: Any, b: Any) -> bool:
     try:
         return bool(dict(a) == dict(b))
-    except Exception:  # noqa: BLE001 - parameters that do not compare (arrays): not the same
+    except Exception:
         return False
 
 
@@ -123,7 +123,7 @@ def _trace_program(prim: Any, params: tuple[tuple[str, Any], ...], structs: tupl
     producer = {v: i for i, eqn in enumerate(eqns) for v in eqn.outvars}
     kinds: list[str] = []
     scales: list[_Scale | None] = []
-    for i, eqn in enumerate(eqns):
+    for eqn in eqns:
         lin = [not compat.is_literal(a) and a in linear for a in eqn.invars]
         kind, scale = _LINEAR, None
         if not any(lin):
@@ -223,6 +223,7 @@ def replay(prog: _Program, primals: Sequence[Any], tangents: Sequence[Any],
         if kind == _SKIP:
             continue
         if kind == _SCALE:
+            assert step is not None  # every scaled equation has its scale
             outs = [_apply_scale(step, env, eqn.outvars[0].aval)]
         else:
             ins = [compat.read_atom(env, a) for a in eqn.invars]
@@ -252,7 +253,7 @@ def safe_bind(prim: Any, params: Any, inputs: Sequence[Any], fixed: Sequence[boo
         return compat.bind_primitive(prim, inputs, params)
     try:
         prog = program(prim, params, inputs, diff)
-    except Exception:  # noqa: BLE001 - no JVP to re-play (not differentiable): keep the primitive
+    except Exception:
         return compat.bind_primitive(prim, inputs, params)
     if not prog.masks:
         return compat.bind_primitive(prim, inputs, params)
@@ -285,7 +286,7 @@ def _lax_params(target: str, op: OpView) -> dict[str, Any]:
         try:
             jaxpr = jax.make_jaxpr(lambda *xs, kw=kw: fn(*xs, **kw))(*op.inputs)  # type: ignore[misc]
             return dict(next(e for e in compat.jaxpr_parts(jaxpr)[0].eqns if e.primitive.name == target).params)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             error = error or e
     raise GradkitError(
         f"rule gradkit.safe[{target}] for op '{op.name}' at {op.source}: the op's inputs and keyword arguments "

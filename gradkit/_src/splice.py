@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import numpy as np
@@ -173,7 +173,7 @@ def apply_rule(rule: Rule, eqn: JaxprEqn, name: str, dyn_inputs: Sequence[Any]) 
     dyn_pos = [i for i, a in enumerate(eqn.invars) if not compat.is_literal(a)]
     # Resolved once, here: the closures below keep the named op's signature alive.
     inst = named.lookup(eqn.params.get("name", "")) if compat.is_jit(eqn) else None
-    literals = [a.val if compat.is_literal(a) else None for a in eqn.invars]
+    literals = [cast(Any, a).val if compat.is_literal(a) else None for a in eqn.invars]
 
     def full(dyn: Sequence[Any]) -> list[Any]:
         vals = list(literals)

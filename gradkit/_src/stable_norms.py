@@ -94,7 +94,7 @@ def _unit(x, axes):
     return u, n
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _norm2_fn(axes, keepdims, min_norm):
     def squeeze(v):
         return v if keepdims else jnp.squeeze(v, axes)
@@ -176,7 +176,7 @@ def safe_norm(x: ArrayLike, ord: Any = None, axis: Any = None, keepdims: bool = 
                          min_norm=float(min_norm))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _normalize_fn(axes):
     @jax.custom_jvp
     def fn(x):

@@ -43,7 +43,7 @@ def _lse_weights(a, b, where, axes):
     return w, v
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _logsumexp_fn(axes, keepdims, return_sign, has_b, has_where):
     def forward(a, b, where):
         return jax.scipy.special.logsumexp(
@@ -75,9 +75,9 @@ def logsumexp_op(a, b, where, *, axis=None, keepdims=False, return_sign=False):
     arrays = list(_k.as_inexact(*arrays))
     if where is not None:
         arrays.append(jnp.asarray(where, bool))
-    arrays = jnp.broadcast_arrays(*arrays)
-    a = arrays[0]
-    b_ = arrays[1] if b is not None else jnp.zeros((), a.dtype)
+    bcast = jnp.broadcast_arrays(*arrays)
+    a = bcast[0]
+    b_ = bcast[1] if b is not None else jnp.zeros((), a.dtype)
     w_ = arrays[-1] if where is not None else jnp.zeros((), bool)
     axes = norm_axes(axis, a.ndim)
     fn = _logsumexp_fn(axes, bool(keepdims), bool(return_sign), b is not None, where is not None)
@@ -115,7 +115,7 @@ def logsumexp(a: ArrayLike, axis: Any = None, b: ArrayLike | None = None, keepdi
                          return_sign=bool(return_sign))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _softmax_fn(axes, log, has_where):
     def shifted(x, where):
         mask = where if has_where else jnp.ones(x.shape, bool)

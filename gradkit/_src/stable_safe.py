@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -55,7 +56,7 @@ def safe_sqrt(x: ArrayLike) -> Array:
     return _safe_sqrt(x)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _safe_log_fn(eps):
     @jax.custom_jvp
     def fn(x):
@@ -173,7 +174,7 @@ def safe_arctan2(y: ArrayLike, x: ArrayLike) -> Array:
     return _safe_arctan2(y, x)
 
 
-def _pow_shift(dtype) -> int:
+def _pow_shift(dtype: Any) -> int:
     """A power of two (its exponent) that brings x^(y/2) near the under- or overflow threshold to about 1."""
     # 2^(2s) and 2^(-2s) are normal: each scaling back is one multiplication (XLA folds a chain
     # of constant factors into one, which would underflow)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from decimal import Decimal
 from fractions import Fraction
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -160,7 +161,7 @@ def _silu_exp(x):
     return m * _k.pow2(jnp.where(far, k + shift, k), x.dtype), far
 
 
-def _far_scale(dtype) -> float:
+def _far_scale(dtype: Any) -> float:
     return 2.0 ** -_SILU_FAR[np.dtype(dtype)][1]
 
 

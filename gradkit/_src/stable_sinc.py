@@ -6,6 +6,7 @@ import functools
 import math
 from decimal import Decimal
 from fractions import Fraction
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -61,7 +62,7 @@ def _add(a, a_lo, b, b_lo):
     return _k.two_sum(s, s_lo + (a_lo + b_lo))
 
 
-def _mul_const(a: jax.Array, a_lo: jax.Array, c: Fraction, dtype) -> tuple[jax.Array, jax.Array]:
+def _mul_const(a: jax.Array, a_lo: jax.Array, c: Fraction, dtype: Any) -> tuple[jax.Array, jax.Array]:
     """``(a + a_lo) c`` as ``hi + lo`` for an exact constant ``c``."""
     t = np.dtype(dtype).type
     c_hi = t(float(c))
@@ -170,7 +171,7 @@ _ZERO_WINDOW = 3e-3  # (pi d)^5 / 5! < 1e-10 relative: four coefficients
 _WINDOWED = 3  # zeros with a window (float32)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _zero_tables(dtype: np.dtype) -> tuple[np.ndarray, ...]:
     """Per zero n (row 0 unused): z as hi + lo, then sinc'(z + d) = sum_j c_j d^j, c_1 as hi + lo."""
     t = np.dtype(dtype).type

@@ -2,22 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from decimal import Decimal
 from fractions import Fraction
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 Array = jax.Array
+F = TypeVar("F", bound=Callable[..., Any])
 
 
-def named(name: str):
+def named(name: str) -> Callable[[F], F]:
     """Marks a public wrapper with the op name its inner named op carries."""
 
-    def mark(fn):
-        fn.gradkit_op_name = name
+    def mark(fn: F) -> F:
+        fn.gradkit_op_name = name  # type: ignore[attr-defined]
         return fn
 
     return mark

@@ -20,7 +20,6 @@ from jax.interpreters import batching as _batching
 
 from gradkit._src.errors import GradkitError as _GradkitError
 
-
 Jaxpr = jex_core.Jaxpr
 ClosedJaxpr = jex_core.ClosedJaxpr
 Literal = jex_core.Literal
@@ -300,9 +299,7 @@ def bind_primitive(primitive: Primitive, invals: Sequence[Any], params: dict[str
 
 def aval_of(x: Any) -> Any:
     """The abstract value (shape, dtype, weak_type) of an array or tracer."""
-    if hasattr(jax, "typeof"):  # jax >= 0.6
-        return jax.typeof(x)
-    return jax.core.get_aval(x)  # pragma: no cover - older JAX
+    return jax.typeof(x)
 
 
 def aval_key(x: Any) -> tuple[Any, ...]:

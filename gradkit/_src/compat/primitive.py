@@ -12,9 +12,8 @@ from jax.interpreters import ad as _ad
 from jax.interpreters import batching as _batching
 from jax.interpreters import mlir as _mlir
 
-from gradkit._src.errors import GradkitError as _GradkitError
-
 from gradkit._src.compat.jaxprs import Primitive
+from gradkit._src.errors import GradkitError as _GradkitError
 
 # =========================================================================== gradkit's own primitive: safe_scale
 #
@@ -70,7 +69,7 @@ def _safe_scale_jvp(primals: Sequence[Any], tangents: Sequence[Any], *, divide: 
         zero = _lax.full_like(t, 0)
         terms.append(_lax.select(_lax.eq(t, zero), _lax.full_like(dd, 0), _lax.mul(coef, dd)))
     if not terms:
-        return out, _ad.Zero.from_primal_value(out)
+        return out, _ad.Zero.from_primal_value(out)  # type: ignore[attr-defined]
     return out, terms[0] if len(terms) == 1 else _lax.add(terms[0], terms[1])
 
 

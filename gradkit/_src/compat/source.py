@@ -5,10 +5,10 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from typing import Any
 
 from jax._src import source_info_util as _siu
 from jax._src import traceback_util as _tbu
-
 
 from gradkit._src.compat.jaxprs import JaxprEqn
 
@@ -68,7 +68,7 @@ def library_callee(eqn: JaxprEqn) -> tuple[str, str] | None:
     tracing) is skipped. ``None`` when no user frame is known.
     """
     tb = eqn.source_info.traceback
-    frames = list(tb.frames) if tb is not None else []
+    frames: list[Any] = list(tb.frames) if tb is not None else []
     is_user = getattr(_siu, "is_user_filename", None)
     if is_user is None:  # pragma: no cover - a JAX without it: no library attribution
         return None
