@@ -221,6 +221,8 @@ class Guard:
         self._name = name
         self._source = def_source(fn)
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified when no host callback is running
+        self._in_callback = 0
         self._reports: list[GuardReport] = []
         self._pending: list[concurrent.futures.Future[Any]] = []
         self._calls = 0
@@ -234,12 +236,17 @@ class Guard:
         """The reports of the bad calls so far, oldest first.
 
         Waits for the steps already dispatched to run their callbacks
-        (``jax.effects_barrier``) and for the audits still running.
+        (``jax.effects_barrier``) and for the audits still running. On jax
+        0.8 with sharded inputs the barrier can return before a step's
+        callback has started: use the step's results first (``float(loss)``,
+        ``block_until_ready``), as a training loop does.
         """
         try:
             jax.effects_barrier()
         except Exception:
             pass
+        with self._idle:  # some JAX versions (0.8, sharded inputs) return from the barrier mid-callback
+            self._idle.wait_for(lambda: self._in_callback == 0, timeout=_WAIT_S)
         while True:
             with self._lock:
                 pending = [f for f in self._pending if not f.done()]
@@ -318,9 +325,7 @@ class Guard:
         more = len(elements) - _AUDITS_PER_CALL
         futures = []
         for k, (index, (loss_i, *leaves_i)) in enumerate(elements[:_AUDITS_PER_CALL]):
-            cpu = jax.devices("cpu")[0]  # key data back as keys, on the CPU device the audit uses
-            dyn = [jax.random.wrap_key_data(jax.device_put(x, cpu), impl=i) if i is not None else x
-                   for x, i in zip(leaves_i, keys)]
+            dyn = [_wrap_key(x, i) if i is not None else x for x, i in zip(leaves_i, keys)]
             note = f"{more} more bad batch element(s) in this call were not audited." if k == 0 and more > 0 else ""
             futures.append(_executor().submit(self._audit_and_keep, None, index, loss_i, split, dyn, note))
         with self._lock:
@@ -386,7 +391,14 @@ def _host(ref: Any, split: Split, keys: tuple[Any, ...], levels: Any, ok: np.nda
           *leaves: np.ndarray) -> None:
     g = ref()
     if g is not None:
-        g._on_bad(split, keys, levels, ok, loss, leaves)
+        with g._idle:
+            g._in_callback += 1
+        try:
+            g._on_bad(split, keys, levels, ok, loss, leaves)
+        finally:
+            with g._idle:
+                g._in_callback -= 1
+                g._idle.notify_all()
 
 
 def _key_impl(x: Any) -> Any:
@@ -395,6 +407,11 @@ def _key_impl(x: Any) -> Any:
     if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
         return jax.random.key_impl(x)
     return None
+
+
+def _wrap_key(data: np.ndarray, impl: Any) -> Any:
+    """Key data back as a key array, on the CPU device the audit runs on."""
+    return jax.random.wrap_key_data(jax.device_put(data, jax.devices("cpu")[0]), impl=impl)
 
 
 def _host_copy(x: Any) -> Any:
