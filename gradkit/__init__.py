@@ -19,6 +19,10 @@ from gradkit._src.custom_gradient import custom_gradient as custom_gradient
 from gradkit._src.custom_gradient import custom_jvp as custom_jvp
 from gradkit._src.dispatch import override as override
 from gradkit._src.errors import GradkitError as GradkitError
+from gradkit._src.guard import Guard as Guard
+from gradkit._src.guard import GuardReport as GuardReport
+from gradkit._src.guard import NonFiniteGradientError as NonFiniteGradientError
+from gradkit._src.guard import guard as guard
 from gradkit._src.named import op as op
 from gradkit._src.rule import OpView as OpView
 from gradkit._src.rule import Rule as Rule
@@ -35,6 +39,9 @@ __all__ = [
     "Comparison",
     "GradCheckReport",
     "GradkitError",
+    "Guard",
+    "GuardReport",
+    "NonFiniteGradientError",
     "OpView",
     "Rule",
     "RuleTable",
@@ -44,6 +51,7 @@ __all__ = [
     "custom_gradient",
     "custom_jvp",
     "estimators",
+    "guard",
     "jvp_rule",
     "op",
     "override",

@@ -42,7 +42,7 @@ def leaks(nb: nbformat.NotebookNode) -> list[str]:
 
 
 def test_there_are_notebooks():
-    assert len(NOTEBOOKS) >= 5
+    assert len(NOTEBOOKS) >= 6
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

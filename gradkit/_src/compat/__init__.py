@@ -24,8 +24,11 @@ gradkit imports ``gradkit._src.compat`` and nothing from ``jax._src``.
   gradkit defines, with its own JVP, transpose, batching and lowering rules.
   Registering rules for gradkit's own primitive is extension; no rule of a
   JAX primitive is touched (``tests/test_side_effects.py`` checks it).
+* :mod:`~gradkit._src.compat.callbacks` — the logger JAX reports a failing
+  host callback on (``gk.guard``'s raise mode keeps its own exception off it).
 """
 
+from gradkit._src.compat.callbacks import *  # noqa: F403
 from gradkit._src.compat.jaxprs import *  # noqa: F403
 from gradkit._src.compat.primitive import *  # noqa: F403
 from gradkit._src.compat.source import *  # noqa: F403

@@ -1,0 +1,460 @@
+"""``gk.guard``: ``jax.value_and_grad`` that explains the first NaN, at the cost of one reduction per step.
+
+How it works, and why this way:
+
+* **Finite calls.** Inside a compiled step the guard adds one check of the
+  loss and the gradient leaves (``min(isfinite(x))``, fused by XLA) and a
+  ``lax.cond`` on it. Nothing leaves the device and the values are those of
+  ``jax.value_and_grad``.
+* **Bad calls.** The false branch of the ``cond`` is a host callback
+  (``io_callback``) that receives exactly that call's inputs (the only
+  transfer off the device). Under ``vmap`` the reporter is a ``custom_vmap``
+  function (:mod:`gradkit._src.guard_host`), so the callback still runs only
+  when some batch element is bad, once, and audits the bad elements only.
+* **Where the audit runs.** JAX work started from inside a host callback can
+  deadlock when it needs the device stream the callback is blocking (GPU,
+  TPU). The callback therefore only copies the inputs to host memory; the
+  audit runs on a worker thread, **on the CPU device**, from those copies: it
+  never queues work behind the blocked step. In ``"skip"`` and ``"report"``
+  modes the callback returns at once and the audit finishes in the
+  background (reading :attr:`Guard.reports` waits for it). In ``"raise"``
+  mode the callback waits for the audit (at most ``_WAIT_S`` seconds, so a
+  stall can never hang the step for good) and raises with the report in the
+  message. Calls made outside any trace (eager) are checked on the host and
+  audited in the calling thread.
+* **Call index.** Counting the calls of a compiled step would take a host
+  round trip on every step, which the finite path must not pay; eager calls
+  are counted, traced ones report ``call=None``.
+
+The raise mode's exception: an eager call raises :class:`NonFiniteGradientError`
+(a :class:`GradkitError`); inside a ``jax.jit``-ed step the callback's
+exception reaches you as ``jax.errors.JaxRuntimeError`` (JAX's type for a
+failed computation; a ``RuntimeError``; on jax < 0.10 the calls after the
+first, which take JAX's C++ dispatch path, get a ``ValueError``), raised where
+the step's results are first needed, whose message contains the report.
+:attr:`Guard.step_errors` lists them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from gradkit._src import compat
+from gradkit._src.args import Split, partition
+from gradkit._src.audit import audit
+from gradkit._src.audit_report import AuditReport
+from gradkit._src.describe import def_source, fmt, fn_name, one_line
+from gradkit._src.errors import GradkitError
+from gradkit._src.guard_host import all_finite, bad_elements, report_if_bad
+
+__all__ = ["Guard", "GuardReport", "NonFiniteGradientError", "guard"]
+
+MODES = ("raise", "skip", "report")
+_WAIT_S = 300.0  # raise mode: longest wait for the audit inside the callback
+_AUDITS_PER_CALL = 4  # bad batch elements audited per call (the rest are counted)
+
+
+class NonFiniteGradientError(GradkitError):
+    """The loss or a gradient of a guarded call is NaN or inf (``on_nonfinite="raise"``).
+
+    Raised as is by an eager call. Inside a compiled step it is raised in the
+    host callback, and JAX delivers it as ``jax.errors.JaxRuntimeError`` whose
+    message contains this one's.
+
+    Attributes:
+      reports: the :class:`GuardReport` of each audited bad element of the call.
+    """
+
+    def __init__(self, message: str, reports: Sequence[GuardReport] = ()):
+        super().__init__(message)
+        self.reports = tuple(reports)
+
+
+@dataclasses.dataclass(frozen=True)
+class GuardReport:
+    """One non-finite guarded call (one batch element of it, under ``vmap``), audited.
+
+    Attributes:
+      call: the call's index (1 for the first guarded call), for calls the host
+        sees (eager); ``None`` inside a compiled step, whose calls are not counted.
+      batch_index: the element's index under ``vmap`` (outermost axis first); ``()`` otherwise.
+      loss: the loss value there, as text (``"nan"``, ``"0.6931"``).
+      audit: the :func:`audit` of the loss at exactly these inputs (``None`` if it could not run).
+      args: the call's positional arguments, as NumPy arrays: re-run the step with them.
+      kwargs: the call's keyword arguments.
+      note: what else to know (elements not audited, an audit that failed or found nothing).
+    """
+
+    call: int | None
+    batch_index: tuple[int, ...]
+    loss: str
+    audit: AuditReport | None
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    note: str = ""
+
+    @property
+    def headline(self) -> str:
+        """One line: which call, which element, the loss."""
+        where = f"call {self.call}" if self.call is not None else "a compiled call"
+        element = f", batch element {self.batch_index}" if self.batch_index else ""
+        return f"non-finite loss or gradient at {where}{element}: loss = {self.loss}"
+
+    def __str__(self) -> str:
+        lines = [self.headline]
+        if self.audit is not None:
+            lines.append(str(self.audit))
+        if self.note:
+            lines.append(f"note: {self.note}")
+        return "\n".join(lines)
+
+
+def guard(loss_fn: Callable[..., Any], *, argnums: int | Sequence[int] = 0, has_aux: bool = False,
+          on_nonfinite: str = "raise") -> Guard:
+    """``jax.value_and_grad(loss_fn, argnums, has_aux)`` that audits the first non-finite step.
+
+    Use it where you use ``jax.value_and_grad``: eagerly, inside your
+    ``jax.jit`` training step, under ``vmap``, with sharded inputs and inside
+    ``shard_map``. While the loss and the gradients are finite it returns
+    exactly what ``jax.value_and_grad`` returns and adds one fused finiteness
+    check to the compiled step. When the loss or a gradient leaf is NaN or
+    inf, exactly that call's inputs are copied to the host and
+    :func:`gradkit.audit` explains where the NaN was born and what fixes it;
+    the report is appended to :attr:`Guard.reports`. Then:
+
+    * ``"raise"``: the step raises, with the report in the message. Eagerly:
+      :class:`NonFiniteGradientError` (a :class:`GradkitError`); inside a
+      compiled step: ``jax.errors.JaxRuntimeError``, raised where the step's
+      results are first used (``float(loss)``, ``block_until_ready``); catch
+      ``guard.step_errors`` to cover every JAX version.
+    * ``"skip"``: the gradients come back as zeros (an SGD/Adam update with
+      them is a no-op, as with ``optax.apply_if_finite``) and training goes on.
+    * ``"report"``: the values come back unchanged.
+
+    The audit runs on the CPU device from host copies, never on the device
+    the step is using. Under ``vmap`` only the bad batch elements are audited
+    (at most 4 per call). Inside ``shard_map`` each device audits its own
+    shard: a loss with collectives (``psum``) cannot be re-run outside the
+    map, and its report says so.
+
+    Args:
+      loss_fn: returns a scalar loss (``(loss, aux)`` with ``has_aux``).
+      argnums: which positional arguments to differentiate, as in ``jax.value_and_grad``.
+      has_aux: ``loss_fn`` returns ``(loss, aux)``; only the loss is checked.
+      on_nonfinite: ``"raise"`` (default), ``"skip"`` or ``"report"``.
+
+    Returns:
+      A :class:`Guard`: call it as ``jax.value_and_grad(loss_fn)``; read ``.reports``.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, gradkit as gk
+      >>> def loss(w, x):
+      ...     return jnp.sum(jnp.sqrt(w * x))
+      >>> g = gk.guard(loss, on_nonfinite="skip")
+      >>> step = jax.jit(lambda w, x: g(w, x)[1])
+      >>> step(jnp.ones(2), jnp.ones(2)).tolist()
+      [0.5, 0.5]
+      >>> step(jnp.ones(2), jnp.array([1.0, 0.0])).tolist()  # d sqrt at 0: inf -> skipped
+      [0.0, 0.0]
+      >>> r = g.reports[0]
+      >>> r.audit.findings[0].op, str(r.audit.findings[0].root.elements[0])
+      ('sqrt', '[1]: x = 0')
+    """
+    return Guard(loss_fn, argnums=argnums, has_aux=has_aux, on_nonfinite=on_nonfinite)
+
+
+def _check_argnums(argnums: Any, name: str) -> int | tuple[int, ...]:
+    ok = (isinstance(argnums, int) and not isinstance(argnums, bool)) or (
+        isinstance(argnums, (tuple, list)) and argnums and
+        all(isinstance(a, int) and not isinstance(a, bool) for a in argnums))
+    if not ok:
+        raise GradkitError(f"guard({name}): argnums must be an int or a non-empty tuple of ints, as in "
+                           f"jax.value_and_grad, got {argnums!r}.")
+    return tuple(argnums) if isinstance(argnums, (tuple, list)) else argnums
+
+
+class Guard:
+    """A guarded ``jax.value_and_grad``; made by :func:`guard`.
+
+    Call it as you would call ``jax.value_and_grad(loss_fn, argnums, has_aux)``.
+
+    Attributes:
+      fn: the guarded loss function.
+      argnums, has_aux, on_nonfinite: as given to :func:`guard`.
+      step_errors: what a compiled step raises in ``"raise"`` mode, for
+        ``except guard.step_errors``: ``jax.errors.JaxRuntimeError`` (and, on
+        jax < 0.10, ``ValueError``, which calls after the first get from JAX's
+        fast dispatch path), plus :class:`NonFiniteGradientError` for eager calls.
+    """
+
+    step_errors: tuple[type[BaseException], ...] = (
+        (jax.errors.JaxRuntimeError, NonFiniteGradientError)
+        + ((ValueError,) if compat.JAX_VERSION < (0, 10) else ()))
+
+    def __init__(self, fn: Callable[..., Any], *, argnums: int | Sequence[int] = 0, has_aux: bool = False,
+                 on_nonfinite: str = "raise"):
+        if not callable(fn):
+            raise GradkitError(f"guard: expected a loss function, got {type(fn).__name__} {fn!r}.")
+        name = fn_name(fn)
+        if on_nonfinite not in MODES:
+            raise GradkitError(
+                f"guard({name}): unknown on_nonfinite={on_nonfinite!r}; use 'raise' (stop the step with the "
+                "report), 'skip' (zero gradients, keep training) or 'report' (values unchanged).")
+        if not isinstance(has_aux, bool):
+            raise GradkitError(f"guard({name}): has_aux must be True or False, got {has_aux!r}.")
+        self.fn = fn
+        self.argnums = _check_argnums(argnums, name)
+        self.has_aux = has_aux
+        self.on_nonfinite = on_nonfinite
+        self._name = name
+        self._source = def_source(fn)
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified when no host callback is running
+        self._in_callback = 0
+        self._reports: list[GuardReport] = []
+        self._pending: list[concurrent.futures.Future[Any]] = []
+        self._calls = 0
+        functools.update_wrapper(self, fn, updated=())
+
+    def __repr__(self) -> str:
+        return f"gk.guard({self._name}, on_nonfinite={self.on_nonfinite!r})"
+
+    @property
+    def reports(self) -> list[GuardReport]:
+        """The reports of the bad calls so far, oldest first.
+
+        Waits for the steps already dispatched to run their callbacks
+        (``jax.effects_barrier``) and for the audits still running. On jax
+        0.8 with sharded inputs the barrier can return before a step's
+        callback has started: use the step's results first (``float(loss)``,
+        ``block_until_ready``), as a training loop does.
+        """
+        try:
+            jax.effects_barrier()
+        except Exception:
+            pass
+        with self._idle:  # some JAX versions (0.8, sharded inputs) return from the barrier mid-callback
+            self._idle.wait_for(lambda: self._in_callback == 0, timeout=_WAIT_S)
+        while True:
+            with self._lock:
+                pending = [f for f in self._pending if not f.done()]
+                self._pending = pending
+            if not pending:
+                break
+            concurrent.futures.wait(pending)
+        with self._lock:
+            return list(self._reports)
+
+    @property
+    def calls(self) -> int:
+        """How many eager (host-visible) calls were guarded; compiled calls are not counted."""
+        return self._calls
+
+    # ------------------------------------------------------------------ the call
+
+    def _checked(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.fn(*args, **kwargs)
+        loss = out
+        where = f"{self._name}" + (f" (defined at {self._source})" if self._source else "")
+        if self.has_aux:
+            if not (isinstance(out, (tuple, list)) and len(out) == 2):
+                raise GradkitError(f"guard({self._name}, has_aux=True): {where} must return (loss, aux), got "
+                                   f"{type(out).__name__}.")
+            loss = out[0]
+        shape, dtype = np.shape(loss), getattr(loss, "dtype", None)
+        if shape != ():
+            raise GradkitError(
+                f"guard({self._name}): the loss must be a scalar, but {where} returned shape {shape}. Reduce it "
+                "(jnp.mean / jnp.sum), or return (loss, aux) with has_aux=True.")
+        if dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
+            raise GradkitError(f"guard({self._name}): the loss must be a real floating-point scalar, but {where} "
+                               f"returned {dtype}.")
+        return out
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        value, grads = jax.value_and_grad(self._checked, self.argnums, self.has_aux)(*args, **kwargs)
+        loss = value[0] if self.has_aux else value
+        leaves = [loss, *jax.tree_util.tree_leaves(grads)]
+        split, dyn = partition((args, kwargs))
+        if not any(isinstance(x, compat.Tracer) for x in [*leaves, *dyn]):
+            return self._eager(value, grads, leaves, split, dyn)
+        keys = [_key_impl(x) for x in dyn]
+        moved = [lax.stop_gradient(jax.random.key_data(x) if k is not None else x) for x, k in zip(dyn, keys)]
+        host = functools.partial(_host, weakref.ref(self), split, tuple(keys))
+        ok = report_if_bad(host, all_finite(leaves), [lax.stop_gradient(loss), *moved])
+        # Every result depends on ``ok`` (``where(ok, x, x)``, which XLA folds to ``x``): JAX versions
+        # whose custom_vmap hides the callback's effect would otherwise drop the reporter as dead code.
+        zero = self.on_nonfinite == "skip"
+        grads = jax.tree_util.tree_map(lambda g: jnp.where(ok, g, jnp.zeros_like(g) if zero else g), grads)
+        loss = jnp.where(ok, loss, loss)
+        return ((loss, value[1]) if self.has_aux else loss), grads
+
+    def _eager(self, value: Any, grads: Any, leaves: list[Any], split: Split, dyn: list[Any]) -> Any:
+        with self._lock:
+            self._calls += 1
+            call = self._calls
+        if bool(_all_finite_jit(leaves)):
+            return value, grads
+        report = self._audit(call, (), _host_copy(leaves[0]), split, [_host_copy(x) for x in dyn])
+        with self._lock:
+            self._reports.append(report)
+        if self.on_nonfinite == "raise":
+            raise NonFiniteGradientError(f"guard({self._name}): {report}", [report])
+        if self.on_nonfinite == "skip":
+            grads = jax.tree_util.tree_map(jnp.zeros_like, grads)
+        return value, grads
+
+    # ------------------------------------------------------------------ the bad path (host)
+
+    def _on_bad(self, split: Split, keys: tuple[Any, ...], levels: Any, ok: np.ndarray, loss: np.ndarray,
+                leaves: Sequence[np.ndarray]) -> None:
+        """In the callback: copy the bad elements, queue their audits; in raise mode wait and raise."""
+        elements = bad_elements(levels, ok, [loss, *leaves])
+        more = len(elements) - _AUDITS_PER_CALL
+        futures = []
+        for k, (index, (loss_i, *leaves_i)) in enumerate(elements[:_AUDITS_PER_CALL]):
+            dyn = [_wrap_key(x, i) if i is not None else x for x, i in zip(leaves_i, keys)]
+            note = f"{more} more bad batch element(s) in this call were not audited." if k == 0 and more > 0 else ""
+            futures.append(_executor().submit(self._audit_and_keep, None, index, loss_i, split, dyn, note))
+        with self._lock:
+            self._pending.extend(futures)
+        if self.on_nonfinite != "raise":
+            return
+        done, _ = concurrent.futures.wait(futures, timeout=_WAIT_S)
+        reports = [f.result() for f in futures if f in done]
+        text = "\n".join(str(r) for r in reports) if reports else (
+            f"the audit did not finish within {_WAIT_S:.0f} s; it goes on in the background: read guard.reports.")
+        raise NonFiniteGradientError(f"guard({self._name}): {text}", reports)
+
+    def _audit_and_keep(self, call: int | None, index: tuple[int, ...], loss: np.ndarray, split: Split,
+                        dyn: list[Any], note: str) -> GuardReport:
+        report = self._audit(call, index, loss, split, dyn, note)
+        with self._lock:
+            self._reports.append(report)
+        return report
+
+    def _audit(self, call: int | None, index: tuple[int, ...], loss: Any, split: Split, dyn: list[Any],
+               note: str = "") -> GuardReport:
+        args, kwargs = split.combine(dyn)
+        fn = self.fn
+        has_aux = self.has_aux
+        # PRNG keys are not differentiated; the audit gets a placeholder and the loss the key.
+        keys = {i: x for i, x in enumerate(dyn) if _key_impl(x) is not None}
+        holes = split.combine([_KeyHole(i) if i in keys else x for i, x in enumerate(dyn)])[0]
+
+        def fill(tree: Any) -> Any:
+            return jax.tree_util.tree_map(lambda v: keys[v.index] if isinstance(v, _KeyHole) else v, tree)
+
+        @functools.wraps(fn)
+        def scalar_loss(*a: Any) -> Any:
+            out = fn(*fill(a), **fill(kwargs))
+            return out[0] if has_aux else out
+
+        result: AuditReport | None = None
+        try:
+            with jax.default_device(jax.devices("cpu")[0]):
+                result = audit(scalar_loss, *holes, argnums=self.argnums)
+        except Exception as e:
+            note = _join(note, f"the audit could not run: {type(e).__name__}: {one_line(str(e))}"
+                         + (" (a loss with collectives such as psum cannot be re-run outside its shard_map)"
+                            if "axis name" in str(e) else ""))
+        if result is not None and result.finite and not _nonfinite(loss):
+            note = _join(note, "the audit, re-running the loss op by op on the CPU at these inputs, found the "
+                               "gradient finite: the NaN/inf came from elsewhere (inside shard_map, another "
+                               "device's shard summed in by the gradient of a replicated input: mark it varying "
+                               "with jax.lax.pcast(x, axis, to='varying') (jax.lax.pvary on older JAX) to keep "
+                               "gradients per device), or from the device or XLA's fusion "
+                               "of the compiled step.")
+        return GuardReport(call, index, _fmt_loss(loss), result, tuple(args), dict(kwargs), note)
+
+
+@dataclasses.dataclass(frozen=True)
+class _KeyHole:
+    """Stands for the PRNG key at dynamic position ``index`` in the audited arguments."""
+
+    index: int
+
+
+def _host(ref: Any, split: Split, keys: tuple[Any, ...], levels: Any, ok: np.ndarray, loss: np.ndarray,
+          *leaves: np.ndarray) -> None:
+    g = ref()
+    if g is not None:
+        with g._idle:
+            g._in_callback += 1
+        try:
+            g._on_bad(split, keys, levels, ok, loss, leaves)
+        finally:
+            with g._idle:
+                g._in_callback -= 1
+                g._idle.notify_all()
+
+
+def _key_impl(x: Any) -> Any:
+    """The PRNG implementation of a typed key array (its data crosses to the host), else None."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
+        return jax.random.key_impl(x)
+    return None
+
+
+def _wrap_key(data: np.ndarray, impl: Any) -> Any:
+    """Key data back as a key array, on the CPU device the audit runs on."""
+    return jax.random.wrap_key_data(jax.device_put(data, jax.devices("cpu")[0]), impl=impl)
+
+
+def _host_copy(x: Any) -> Any:
+    if _key_impl(x) is not None:
+        return x
+    return np.array(x, copy=True) if isinstance(x, (jax.Array, np.ndarray, np.generic)) else x
+
+
+def _fmt_loss(loss: Any) -> str:
+    a = np.asarray(loss)
+    return fmt(a.reshape(-1)[0]) if a.size == 1 else str(a)
+
+
+def _nonfinite(loss: Any) -> bool:
+    a = np.asarray(loss)
+    return a.dtype.kind in "fc" and not bool(np.all(np.isfinite(a)))
+
+
+def _join(a: str, b: str) -> str:
+    return f"{a} {b}".strip()
+
+
+_all_finite_jit = jax.jit(all_finite)
+
+_EXECUTOR: concurrent.futures.ThreadPoolExecutor | None = None
+_EXECUTOR_LOCK = threading.Lock()
+
+
+def _executor() -> concurrent.futures.ThreadPoolExecutor:
+    """One worker thread for every guard's audits (they run one at a time, in order)."""
+    global _EXECUTOR
+    with _EXECUTOR_LOCK:
+        if _EXECUTOR is None:
+            _EXECUTOR = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradkit-guard")
+        return _EXECUTOR
+
+
+class _DropGuardErrors(logging.Filter):
+    """JAX logs a failing callback's traceback before raising it; the raise already carries the report."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, NonFiniteGradientError)
+
+
+logging.getLogger(compat.CALLBACK_LOGGER).addFilter(_DropGuardErrors())

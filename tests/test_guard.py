@@ -1,0 +1,377 @@
+"""gk.guard: bit-for-bit value_and_grad while finite; an audit of exactly the bad call otherwise."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import gradkit as gk
+from gradkit._src import compat
+from gradkit._src import guard as guard_mod
+
+
+def mlp_loss(params, x, y):
+    h = jnp.tanh(x @ params["w1"] + params["b1"][None, :])
+    logits = h @ params["w2"]
+    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - jnp.sum(logits * y, axis=-1))
+
+
+def make_params(seed=0):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    return {"w1": jax.random.normal(k1, (6, 16), jnp.float32) / 3, "b1": jnp.zeros(16, jnp.float32),
+            "w2": jax.random.normal(k2, (16, 4), jnp.float32) / 4}
+
+
+def batch(n=8, seed=1):
+    kx, ky = jax.random.split(jax.random.key(seed))
+    x = jax.random.normal(kx, (n, 6), jnp.float32)
+    y = jax.nn.one_hot(jax.random.randint(ky, (n,), 0, 4), 4, dtype=jnp.float32)
+    return x, y
+
+
+def log_loss(w, x):
+    """NaN gradient w.r.t. w wherever w * x == 0 (the guarded-log problem)."""
+    return jnp.sum(jnp.where(w * x > 0, jnp.log(w * x), 0.0))
+
+
+def assert_same(a, b):
+    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+    for u, v in zip(la, lb):
+        assert u.dtype == v.dtype and u.shape == v.shape
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))  # bit for bit (NaN == NaN here)
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Counts the host callbacks (the bad path) of every guard."""
+    calls = []
+    original = guard_mod.Guard._on_bad
+
+    def counted(self, *a):
+        calls.append(a)
+        return original(self, *a)
+
+    monkeypatch.setattr(guard_mod.Guard, "_on_bad", counted)
+    return calls
+
+
+# --------------------------------------------------------------------------- finite: exactly value_and_grad
+
+
+@pytest.mark.parametrize("mode", ["raise", "skip", "report"])
+def test_finite_calls_are_value_and_grad_bit_for_bit(maybe_jit, mode, spy):
+    params, (x, y) = make_params(), batch()
+    ours = maybe_jit(gk.guard(mlp_loss, on_nonfinite=mode))
+    ref = maybe_jit(jax.value_and_grad(mlp_loss))
+    for seed in range(3):
+        x, y = batch(seed=seed)
+        assert_same(ours(params, x, y), ref(params, x, y))
+    assert spy == []  # the finite path never reaches the host
+
+
+def test_has_aux_tuple_argnums_and_kwargs_bit_for_bit(maybe_jit):
+    params, (x, y) = make_params(), batch()
+
+    def loss(params, x, y, *, scale):
+        out = mlp_loss(params, x, y) * scale
+        return out, {"logits_mean": jnp.mean(x @ params["w1"]), "n": jnp.int32(x.shape[0])}
+
+    for argnums in [0, (0, 1), (1,)]:
+        ours = maybe_jit(lambda p, x, y, g=gk.guard(loss, argnums=argnums, has_aux=True): g(p, x, y, scale=2.0))
+        ref = maybe_jit(lambda p, x, y, a=argnums: jax.value_and_grad(loss, a, has_aux=True)(p, x, y, scale=2.0))
+        assert_same(ours(params, x, y), ref(params, x, y))
+
+
+def test_inside_a_jitted_optax_step_bit_for_bit():
+    optax = pytest.importorskip("optax")
+    params, (x, y) = make_params(), batch(32)
+    opt = optax.sgd(1e-2, momentum=0.9)
+
+    def make(vg):
+        @jax.jit
+        def step(params, state, x, y):
+            loss, g = vg(params, x, y)
+            updates, state = opt.update(g, state, params)
+            return optax.apply_updates(params, updates), state, loss
+        return step
+
+    ours, ref = make(gk.guard(mlp_loss)), make(jax.value_and_grad(mlp_loss))
+    p1, s1, p2, s2 = params, opt.init(params), params, opt.init(params)
+    for _ in range(5):
+        p1, s1, l1 = ours(p1, s1, x, y)
+        p2, s2, l2 = ref(p2, s2, x, y)
+        assert_same((p1, l1), (p2, l2))
+
+
+# --------------------------------------------------------------------------- the three modes
+
+
+def test_raise_mode_eager_raises_gradkit_error_with_the_report():
+    g = gk.guard(log_loss)
+    with pytest.raises(gk.NonFiniteGradientError, match=r"^\[gradkit\] guard\(log_loss\)") as info:
+        g(jnp.ones(3), jnp.array([1.0, 0.0, 2.0]))
+    text = str(info.value)
+    assert "call 1" in text and "`log`" in text and "test_guard.py" in text and "gk.tables.SAFE" in text
+    assert isinstance(info.value, gk.GradkitError) and len(info.value.reports) == 1
+    assert g.reports[0].call == 1 and g.calls == 1
+
+
+def test_raise_mode_jitted_raises_jax_runtime_error_with_the_report(spy):
+    g = gk.guard(log_loss)
+    step = jax.jit(lambda w, x: g(w, x))
+    jax.block_until_ready(step(jnp.ones(3), jnp.ones(3)))
+    expected = jax.errors.JaxRuntimeError if compat.JAX_VERSION >= (0, 10) else (jax.errors.JaxRuntimeError, ValueError)
+    with pytest.raises(expected) as info:
+        jax.block_until_ready(step(jnp.ones(3), jnp.array([1.0, 0.0, 2.0])))
+    assert isinstance(info.value, g.step_errors)
+    text = str(info.value)
+    assert "[gradkit] guard(log_loss)" in text and "born at" in text and "`log`" in text
+    assert "elements  [1]: x = 0" in text
+    assert len(spy) == 1 and len(g.reports) == 1
+    # and the next good step runs normally
+    assert_same(step(jnp.ones(3), jnp.ones(3)), jax.value_and_grad(log_loss)(jnp.ones(3), jnp.ones(3)))
+
+
+def test_skip_mode_zeros_the_gradient_and_training_goes_on(maybe_jit):
+    g = gk.guard(log_loss, on_nonfinite="skip")
+
+    @maybe_jit
+    def step(w, x):
+        loss, grad = g(w, x)
+        return w - 0.1 * grad, loss
+
+    w = jnp.full(3, 2.0)
+    xs = [jnp.ones(3), jnp.array([1.0, 0.0, 2.0]), jnp.ones(3)]
+    trace = []
+    for x in xs:
+        w_new, loss = step(w, x)
+        trace.append((w, w_new, loss))
+        w = w_new
+    # the bad step is a no-op; the others are SGD steps with JAX's gradient
+    np.testing.assert_array_equal(trace[1][1], trace[1][0])
+    np.testing.assert_allclose(trace[0][1], trace[0][0] - 0.1 / trace[0][0], rtol=1e-6)
+    np.testing.assert_allclose(trace[2][1], trace[2][0] - 0.1 / trace[2][0], rtol=1e-6)
+    assert float(trace[1][2]) == pytest.approx(float(log_loss(trace[1][0], xs[1])))  # the loss is unchanged
+    (r,) = g.reports
+    assert r.audit.findings[0].op == "log" and not r.audit.finite
+    np.testing.assert_array_equal(r.args[1], np.array([1.0, 0.0, 2.0]))  # exactly that call's inputs
+
+
+def test_report_mode_returns_values_unchanged(maybe_jit):
+    g = maybe_jit(gk.guard(log_loss, on_nonfinite="report"))
+    w, x = jnp.ones(3), jnp.array([1.0, 0.0, 2.0])
+    assert_same(g(w, x), jax.value_and_grad(log_loss)(w, x))
+    guard = g if isinstance(g, gk.Guard) else None
+    assert guard is None or len(guard.reports) == 1
+
+
+def test_reports_wait_for_dispatched_steps():
+    g = gk.guard(log_loss, on_nonfinite="report")
+    step = jax.jit(lambda w, x: g(w, x))
+    step(jnp.ones(3), jnp.array([0.0, 1.0, 1.0]))  # not blocked on
+    (r,) = g.reports
+    assert r.call is None and r.batch_index == ()
+    assert "a compiled call" in r.headline and "born at" in str(r)
+
+
+def test_fix_from_the_report_makes_the_guard_silent(spy):
+    g = gk.guard(log_loss, on_nonfinite="report")
+    jax.jit(g)(jnp.ones(3), jnp.array([1.0, 0.0, 2.0]))
+    fix = g.reports[0].audit.findings[0].fix
+    assert fix.name == "gradkit.tables.SAFE" and fix.verified
+    fixed = gk.guard(gk.override(log_loss, gk.tables.SAFE), on_nonfinite="report")
+    _, grad = jax.jit(fixed)(jnp.ones(3), jnp.array([1.0, 0.0, 2.0]))
+    np.testing.assert_array_equal(grad, [1.0, 0.0, 1.0])  # d/dw log(w x) = 1/w, 0 where masked
+    assert fixed.reports == [] and len(spy) == 1
+
+
+def test_nonfinite_loss_alone_is_caught(maybe_jit):
+    g = gk.guard(lambda w: jnp.sum(w) + jnp.log(0.0), on_nonfinite="report")
+    loss, grad = maybe_jit(g)(jnp.ones(2))
+    assert float(loss) == -np.inf and np.all(np.isfinite(grad))
+    (r,) = g.reports
+    assert r.loss == "-inf" and r.audit.finite
+
+
+# --------------------------------------------------------------------------- vmap: only the bad elements
+
+
+def test_vmap_audits_only_the_bad_elements(spy):
+    g = gk.guard(log_loss, on_nonfinite="skip")
+    xs = jnp.array([[1.0, 2.0, 3.0], [1.0, 0.0, 2.0], [2.0, 2.0, 2.0], [0.0, 1.0, 1.0]])
+    per_example = jax.jit(jax.vmap(g, in_axes=(None, 0)))
+    loss, grads = per_example(jnp.ones(3), xs[jnp.array([0, 2])])  # all good: no callback at all
+    assert spy == [] and np.all(np.isfinite(grads))
+    loss, grads = per_example(jnp.ones(3), xs)
+    np.testing.assert_array_equal(grads[jnp.array([1, 3])], 0.0)  # skip is per element
+    np.testing.assert_array_equal(grads[jnp.array([0, 2])], jnp.ones((2, 3)))
+    assert len(spy) == 1  # one callback for the whole batch
+    reports = g.reports
+    assert sorted(r.batch_index for r in reports) == [(1,), (3,)]
+    for r in reports:
+        np.testing.assert_array_equal(r.args[1], np.asarray(xs[r.batch_index[0]]))
+        assert r.audit.findings[0].op == "log"
+
+
+def test_nested_vmap_indices():
+    g = gk.guard(log_loss, on_nonfinite="report")
+    xs = jnp.ones((2, 3, 3)).at[1, 2, 0].set(0.0)
+    ws = jnp.ones((2, 3))
+    jax.jit(jax.vmap(jax.vmap(g, in_axes=(None, 0)), in_axes=(0, 0)))(ws, xs)
+    (r,) = g.reports
+    assert r.batch_index == (1, 2)
+    np.testing.assert_array_equal(r.args[1], np.asarray(xs[1, 2]))
+    assert r.args[0].shape == (3,)
+
+
+# --------------------------------------------------------------------------- data parallel
+
+
+def _mesh():
+    from jax.sharding import AxisType
+
+    return jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
+
+
+def sqrt_loss(w, x):
+    return jnp.mean(jnp.sqrt(x @ w))
+
+
+def test_sharded_inputs_bit_for_bit_and_the_global_batch_is_audited():
+    mesh = _mesh()
+    w = jnp.full((4,), 0.5)
+    x = jax.device_put(jax.random.uniform(jax.random.key(0), (16, 4)) + 0.1, NamedSharding(mesh, P("d")))
+    g = gk.guard(sqrt_loss, on_nonfinite="report")
+    assert_same(jax.jit(g)(w, x), jax.jit(jax.value_and_grad(sqrt_loss))(w, x))
+    bad = jax.device_put(x.at[5].set(0.0), NamedSharding(mesh, P("d")))
+    # the step's results used first: jax 0.8's effects_barrier can return before this callback has run
+    jax.block_until_ready(jax.jit(g)(w, bad))
+    (r,) = g.reports
+    assert r.args[1].shape == (16, 4) and r.audit.findings[0].op == "sqrt"
+    assert "x[5, 0]" in str(r.audit) or "[5]" in str(r.audit)
+
+
+def varying(x, axis):
+    if hasattr(jax.lax, "pvary"):  # jax < 0.10
+        return jax.lax.pvary(x, axis)
+    return jax.lax.pcast(x, axis, to="varying")
+
+
+def test_inside_shard_map_only_the_bad_shard_reports(spy):
+    mesh = _mesh()
+    g = gk.guard(sqrt_loss, on_nonfinite="skip")
+
+    def data_parallel(w, x):
+        w = varying(w, "d")  # per-device gradients; the mean over devices is ours
+        loss, grad = g(w, x)
+        return jax.lax.pmean(loss, "d"), jax.lax.pmean(grad, "d")
+
+    step = jax.jit(jax.shard_map(data_parallel, mesh=mesh, in_specs=(P(), P("d")), out_specs=(P(), P())))
+    w = jnp.full((4,), 0.5)
+    x = jax.random.uniform(jax.random.key(0), (16, 4)) + 0.1
+    loss, grad = step(w, x)
+    ref = jax.value_and_grad(sqrt_loss)(w, x)
+    np.testing.assert_allclose(loss, ref[0], rtol=1e-6)
+    np.testing.assert_allclose(grad, ref[1], rtol=1e-5)
+    assert spy == []
+    loss, grad = step(w, x.at[5].set(0.0))  # row 5 lives on device 2 (rows 4, 5)
+    good = jax.vmap(jax.grad(sqrt_loss), in_axes=(None, 0))(w, x.reshape(8, 2, 4))
+    np.testing.assert_allclose(grad, jnp.sum(good.at[2].set(0.0), axis=0) / 8, rtol=1e-5)  # that shard skipped
+    (r,) = g.reports
+    assert r.args[1].shape == (2, 4) and r.audit.findings[0].op == "sqrt"
+    assert str(r.audit.findings[0].root.elements[0]).startswith("[1]")
+
+
+# --------------------------------------------------------------------------- other inputs
+
+
+def test_prng_key_arguments_reach_the_audit():
+    def noisy(w, key):
+        return jnp.sum(jnp.sqrt(w + jax.random.normal(key, w.shape) * 0.0))
+
+    g = gk.guard(noisy, on_nonfinite="report")
+    jax.jit(g)(jnp.array([1.0, 0.0]), jax.random.key(3))
+    (r,) = g.reports
+    assert jax.dtypes.issubdtype(r.args[1].dtype, jax.dtypes.prng_key)
+    assert r.audit.findings[0].op == "sqrt"
+
+
+def test_static_python_arguments_are_kept():
+    def loss(w, mode):
+        return jnp.sum(jnp.log(w)) if mode == "log" else jnp.sum(w)
+
+    g = gk.guard(loss, on_nonfinite="report")
+    jax.jit(g, static_argnums=1)(jnp.array([1.0, 0.0]), "log")
+    (r,) = g.reports
+    assert r.args[1] == "log" and r.audit.findings[0].op == "log"
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"on_nonfinite": "warn"}, r"unknown on_nonfinite='warn'.*'raise'.*'skip'.*'report'"),
+    ({"argnums": "0"}, r"argnums must be an int"),
+    ({"argnums": ()}, r"argnums must be an int"),
+    ({"has_aux": 1}, r"has_aux must be True or False"),
+])
+def test_bad_arguments_fail_at_wrap_time(kwargs, match):
+    with pytest.raises(gk.GradkitError, match=r"^\[gradkit\] guard\(mlp_loss\): " + match):
+        gk.guard(mlp_loss, **kwargs)
+
+
+def test_not_a_function():
+    with pytest.raises(gk.GradkitError, match=r"^\[gradkit\] guard: expected a loss function"):
+        gk.guard(3.0)
+
+
+def test_non_scalar_loss_fails_at_first_trace(maybe_jit):
+    def per_example(w):
+        return w * 2.0
+
+    g = maybe_jit(gk.guard(per_example))
+    with pytest.raises(gk.GradkitError, match=r"guard\(per_example\): the loss must be a scalar, but per_example "
+                                               r"\(defined at .*test_guard.py:\d+\) returned shape \(3,\)"):
+        g(jnp.ones(3))
+
+
+def test_has_aux_needs_a_pair():
+    g = gk.guard(lambda w: jnp.sum(w), has_aux=True)
+    with pytest.raises(gk.GradkitError, match=r"has_aux=True.*must return \(loss, aux\)"):
+        g(jnp.ones(3))
+
+
+def test_user_errors_keep_their_type(maybe_jit):
+    def broken(w):
+        raise KeyError("missing batch field")
+
+    with pytest.raises(KeyError, match="missing batch field"):
+        maybe_jit(gk.guard(broken))(jnp.ones(2))
+
+
+# --------------------------------------------------------------------------- the check itself
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_the_check_is_exact(maybe_jit, dtype):
+    from gradkit._src.guard_host import all_finite
+
+    check = maybe_jit(lambda leaves: all_finite(leaves))
+    big = jnp.full((64,), jnp.finfo(dtype).max, dtype)  # huge but finite: a plain sum would overflow
+    assert bool(check([big, jnp.ones(3, dtype)]))
+    for bad in (jnp.inf, -jnp.inf, jnp.nan):
+        assert not bool(check([big, jnp.ones(3, dtype).at[1].set(bad)]))
+    assert bool(check([jnp.arange(3)]))  # integer leaves have nothing to check
+
+
+def test_the_check_sees_an_overflowed_matmul_element():
+    from gradkit._src.guard_host import all_finite
+
+    # h.T @ d overflows in one element although h and d are finite; XLA may rewrite sum(h.T @ d)
+    h = jnp.zeros((4, 3), jnp.float32).at[0, 0].set(3e38)
+    d = jnp.zeros((4, 2), jnp.float32).at[0, 0].set(2.0).at[0, 1].set(-2.0)
+    ok = jax.jit(lambda h, d: all_finite([h.T @ d]))(h, d)
+    assert not np.all(np.isfinite(np.asarray(h.T @ d))) and not bool(ok)
