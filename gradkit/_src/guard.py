@@ -107,7 +107,7 @@ class GuardReport:
 
     @property
     def headline(self) -> str:
-        """One line: which call, which element, the loss."""
+        """The report in one line (which call, which element, the loss)."""
         where = f"call {self.call}" if self.call is not None else "a compiled call"
         element = f", batch element {self.batch_index}" if self.batch_index else ""
         return f"non-finite loss or gradient at {where}{element}: loss = {self.loss}"
