@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -25,26 +23,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import gradkit as gk  # noqa: E402
+from timing import interleaved, row
 
-
-def _block(x: Any) -> Any:
-    return jax.tree_util.tree_map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, x)
-
-
-def _interleaved(fns: dict[str, Callable[[], Any]], repeats: int, inner: int) -> dict[str, float]:
-    """Median seconds per call of each fn, alternating between them to share the noise."""
-    for f in fns.values():
-        _block(f())
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, f in fns.items():
-            t0 = time.perf_counter()
-            for _ in range(inner):
-                out = f()
-            _block(out)
-            times[k].append((time.perf_counter() - t0) / inner)
-    return {k: statistics.median(v) for k, v in times.items()}
+import gradkit as gk
 
 
 def _log1pexp(mode: str) -> Callable[[Any], Any]:
@@ -71,9 +52,7 @@ def _dense(mode: str) -> Callable[[Any, Any], Any]:
 
 
 def _row(name: str, ratio: float) -> dict[str, Any]:
-    target = 1.05  # "no slower": within the noise of these shared machines
-    return {"workload": name, "baseline": 'mode="vjp"', "ratio": float(ratio), "target": target,
-            "pass": bool(ratio <= target), "fmt": "ratio"}
+    return row(name, 'mode="vjp"', ratio, 1.05)  # "no slower": within the noise of these shared machines
 
 
 def rows(quick: bool = False) -> list[dict[str, Any]]:
@@ -85,7 +64,7 @@ def rows(quick: bool = False) -> list[dict[str, Any]]:
     x = jnp.linspace(-50, 50, n, dtype=jnp.float32)
     steps = {m: jax.jit(jax.grad(lambda v, f=_log1pexp(m): jnp.sum(f(v)))) for m in ("both", "vjp")}
     np.testing.assert_allclose(steps["both"](x), steps["vjp"](x), rtol=1e-6)
-    t = _interleaved({m: (lambda s=s: s(x)) for m, s in steps.items()}, repeats, inner)
+    t = interleaved({m: (lambda s=s: s(x)) for m, s in steps.items()}, repeats, inner)
     out.append(_row(f"custom_gradient grad, elementwise {n:,}", t["both"] / t["vjp"]))
 
     batch, width, depth = (64, 128, 3) if quick else (256, 512, 4)
@@ -103,7 +82,7 @@ def rows(quick: bool = False) -> list[dict[str, Any]]:
     steps = {m: jax.jit(jax.grad(loss(_dense(m)))) for m in ("both", "vjp")}
     for a, b in zip(steps["both"](ws, xb), steps["vjp"](ws, xb)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    t = _interleaved({m: (lambda s=s: s(ws, xb)) for m, s in steps.items()}, repeats, inner)
+    t = interleaved({m: (lambda s=s: s(ws, xb)) for m, s in steps.items()}, repeats, inner)
     out.append(_row(f"custom_gradient grad, {depth}-layer MLP {batch}x{width}", t["both"] / t["vjp"]))
     return out
 

@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -36,27 +34,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from timing import interleaved, row
+
 import gradkit as gk
-
-
-def _block(x: Any) -> Any:
-    return jax.tree_util.tree_map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, x)
-
-
-def _interleaved(fns: dict[str, Callable[[], Any]], repeats: int, inner: int) -> dict[str, float]:
-    """Median seconds per call of each fn, alternating between them to share the noise."""
-    for f in fns.values():
-        _block(f())
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, f in fns.items():
-            t0 = time.perf_counter()
-            for _ in range(inner):
-                out = f()
-            _block(out)
-            times[k].append((time.perf_counter() - t0) / inner)
-    return {k: statistics.median(v) for k, v in times.items()}
-
 
 # --------------------------------------------------------------------------- models
 
@@ -144,14 +124,9 @@ def measure(name: str, loss: Callable[..., Any], params: Any, batch: Any, tables
         res[k] = max_rel_error(g, ref)
     times: dict[str, float] = {}
     if timing:
-        times = _interleaved({k: (lambda s=s: s(p16, b16)) for k, s in steps.items()},
+        times = interleaved({k: (lambda s=s: s(p16, b16)) for k, s in steps.items()},
                              5 if quick else 31, 3 if quick else 10)
     return {k: (e, times[k] / times["plain"] if times else None) for k, e in res.items()}
-
-
-def _row(name: str, baseline: str, ratio: float, target: float | None, fmt: str = "ratio") -> dict[str, Any]:
-    ok = None if target is None else bool(ratio <= target)
-    return {"workload": name, "baseline": baseline, "ratio": float(ratio), "target": target, "pass": ok, "fmt": fmt}
 
 
 def rows(quick: bool = False) -> list[dict[str, Any]]:
@@ -163,9 +138,9 @@ def rows(quick: bool = False) -> list[dict[str, Any]]:
     for name, loss, params, batch in problems:
         r = measure(name, loss, params, batch, {"f32": gk.tables.F32_BACKWARD}, quick)
         (e0, _), (e1, t1) = r["plain"], r["f32"]
-        out.append(_row(f"F32_BACKWARD {name}: grad error vs float64 ({e1:.2g} vs {e0:.2g})", "plain bf16 autodiff",
+        out.append(row(f"F32_BACKWARD {name}: grad error vs float64 ({e1:.2g} vs {e0:.2g})", "plain bf16 autodiff",
                         e1 / e0, 0.1, fmt="err"))
-        out.append(_row(f"F32_BACKWARD {name}: step time", "plain bf16 autodiff", t1, 1.15))
+        out.append(row(f"F32_BACKWARD {name}: step time", "plain bf16 autodiff", t1, 1.15))
     return out
 
 

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -26,26 +24,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from timing import interleaved, row
+
 import gradkit as gk
-
-
-def _block(x: Any) -> Any:
-    return jax.tree_util.tree_map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, x)
-
-
-def _interleaved(fns: dict[str, Callable[[], Any]], repeats: int, inner: int) -> dict[str, float]:
-    """Median seconds per call of each fn, alternating between them to share the noise."""
-    for f in fns.values():
-        _block(f())
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, f in fns.items():
-            t0 = time.perf_counter()
-            for _ in range(inner):
-                out = f()
-            _block(out)
-            times[k].append((time.perf_counter() - t0) / inner)
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def _mlp_problem(batch: int, width: int, depth: int) -> tuple[Any, Any, Any]:
@@ -68,9 +49,7 @@ def _mlp_loss(params: Any, x: Any, y: Any) -> Any:
 
 
 def _row(name: str, ratio: float, target: float | None = 1.02) -> dict[str, Any]:
-    ok = None if target is None else bool(ratio <= target)
-    return {"workload": name, "baseline": "jax.value_and_grad", "ratio": float(ratio), "target": target,
-            "pass": ok, "fmt": "ratio"}
+    return row(name, "jax.value_and_grad", ratio, target)
 
 
 def rows(quick: bool = False) -> list[dict[str, Any]]:
@@ -97,7 +76,7 @@ def rows(quick: bool = False) -> list[dict[str, Any]]:
         out = steps[mode](params, state)
         for a, b in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(ref)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    t = _interleaved({k: (lambda s=s: s(params, state)) for k, s in steps.items()},
+    t = interleaved({k: (lambda s=s: s(params, state)) for k, s in steps.items()},
                      7 if quick else 61, 3 if quick else 10)
     assert all(not g.reports for g in guards.values()), "a finite step reached the host"
     name = f"MLP train step {depth}x{width}, batch {batch}"
@@ -111,7 +90,7 @@ def rows(quick: bool = False) -> list[dict[str, Any]]:
     per_plain = jax.jit(jax.vmap(jax.value_and_grad(one), in_axes=(None, 0, 0)))
     g = gk.guard(one)
     per_guard = jax.jit(jax.vmap(g, in_axes=(None, 0, 0)))
-    t = _interleaved({"plain": lambda: per_plain(params, xs, ys), "guard": lambda: per_guard(params, xs, ys)},
+    t = interleaved({"plain": lambda: per_plain(params, xs, ys), "guard": lambda: per_guard(params, xs, ys)},
                      5 if quick else 31, 2 if quick else 5)
     assert not g.reports
     out.append(_row(f"  per-example grads, vmap over {b}", t["guard"] / t["plain"], None))

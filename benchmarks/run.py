@@ -12,9 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,34 +22,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import gradkit as gk  # noqa: E402
-from gradkit._src import compat  # noqa: E402
+from timing import interleaved, row
 
-
-def _block(x: Any) -> Any:
-    return jax.tree_util.tree_map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, x)
-
-
-def interleaved(fns: dict[str, Callable[[], Any]], repeats: int, inner: int = 1) -> dict[str, float]:
-    """Median seconds per call of each fn, alternating between them to share the noise."""
-    for f in fns.values():
-        _block(f())
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, f in fns.items():
-            t0 = time.perf_counter()
-            for _ in range(inner):
-                out = f()
-            _block(out)
-            times[k].append((time.perf_counter() - t0) / inner)
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
-def _once(f: Callable[[], Any]) -> float:
-    t0 = time.perf_counter()
-    _block(f())
-    return time.perf_counter() - t0
-
+import gradkit as gk
+from gradkit._src import compat
 
 # --------------------------------------------------------------------------- workloads
 
@@ -81,8 +55,8 @@ def row_elementwise(quick: bool) -> list[dict[str, Any]]:
     ops_ours = _hlo_ops(ours, x)
     ops_hand = _hlo_ops(hand, x)
     return [
-        _row(f"elementwise log1pexp grad, {n:.0e} f32", "hand custom_vjp", t["ours"] / t["hand"], 1.03),
-        _row("  optimized HLO op count", "hand custom_vjp", ops_ours / ops_hand, 1.0, fmt="ops"),
+        row(f"elementwise log1pexp grad, {n:.0e} f32", "hand custom_vjp", t["ours"] / t["hand"], 1.03),
+        row("  optimized HLO op count", "hand custom_vjp", ops_ours / ops_hand, 1.0, fmt="ops"),
     ]
 
 
@@ -107,7 +81,7 @@ def row_scan(quick: bool) -> list[dict[str, Any]]:
     h0 = jnp.zeros(64, jnp.float32)
     np.testing.assert_allclose(ours(h0), hand(h0), rtol=1e-5)
     t = interleaved({"ours": lambda: ours(h0), "hand": lambda: hand(h0)}, 5 if quick else 41, 3 if quick else 10)
-    return [_row(f"scanned RNN grad, {steps} steps", "hand custom_vjp", t["ours"] / t["hand"], 1.03)]
+    return [row(f"scanned RNN grad, {steps} steps", "hand custom_vjp", t["ours"] / t["hand"], 1.03)]
 
 
 def row_vmapped(quick: bool) -> list[dict[str, Any]]:
@@ -122,7 +96,7 @@ def row_vmapped(quick: bool) -> list[dict[str, Any]]:
     hand = jax.jit(jax.vmap(jax.grad(loss(log1pexp_hand)), in_axes=(None, 0)))
     np.testing.assert_allclose(ours(w, x), hand(w, x), rtol=1e-5)
     t = interleaved({"ours": lambda: ours(w, x), "hand": lambda: hand(w, x)}, 5 if quick else 41, 3 if quick else 10)
-    return [_row(f"per-example grads, vmap over {b}", "hand custom_vjp", t["ours"] / t["hand"], 1.03)]
+    return [row(f"per-example grads, vmap over {b}", "hand custom_vjp", t["ours"] / t["hand"], 1.03)]
 
 
 def _chain(n: int) -> Callable[[Any], Any]:
@@ -144,8 +118,8 @@ def row_table_size(quick: bool) -> list[dict[str, Any]]:
     none = gk.RuleTable({f"no_op_{i}": rule for i in range(10_000)})
     t0 = interleaved({"none": lambda: jax.make_jaxpr(gk.override(_chain(n), none))(x),
                       "empty": lambda: jax.make_jaxpr(gk.override(_chain(n), {}))(x)}, 3 if quick else 9)
-    return [_row("trace with 10,000-rule table", "10-rule table", t["big"] / t["small"], 1.05),
-            _row("trace, 10,000 rules matching nothing", "empty table", t0["none"] / t0["empty"], 1.05)]
+    return [row("trace with 10,000-rule table", "10-rule table", t["big"] / t["small"], 1.05),
+            row("trace, 10,000 rules matching nothing", "empty table", t0["none"] / t0["empty"], 1.05)]
 
 
 def row_eager_calls(quick: bool) -> list[dict[str, Any]]:
@@ -161,7 +135,7 @@ def row_eager_calls(quick: bool) -> list[dict[str, Any]]:
     plain = jax.jit(fn)
     t = interleaved({"ours": lambda: ours(x), "plain": lambda: plain(x)}, 7 if quick else 41, 20 if quick else 200)
     assert len(calls) == 1, "override re-traced on a repeated call"
-    return [_row("repeated eager call (traces: 1)", "jax.jit(f)", t["ours"] / t["plain"], 1.05)]
+    return [row("repeated eager call (traces: 1)", "jax.jit(f)", t["ours"] / t["plain"], 1.05)]
 
 
 def _mlp_problem(batch: int, width: int, depth: int) -> tuple[Any, Any, Any]:
@@ -206,12 +180,12 @@ def row_mlp(quick: bool) -> list[dict[str, Any]]:
     np.testing.assert_allclose(ours(params, state)[2], hand(params, state)[2], rtol=1e-5)
     t = interleaved({"ours": lambda: ours(params, state), "hand": lambda: hand(params, state)},
                     5 if quick else 31, 3 if quick else 10)
-    rows = [_row(f"MLP train step {depth}x{width}, batch {batch}", "hand custom_vjp", t["ours"] / t["hand"], 1.03)]
-    rows.extend(_torch_row(quick, params, x, y, t["ours"]))
+    rows = [row(f"MLP train step {depth}x{width}, batch {batch}", "hand custom_vjp", t["ours"] / t["hand"], 1.03)]
+    rows.extend(_torchrow(quick, params, x, y, t["ours"]))
     return rows
 
 
-def _torch_row(quick: bool, params: Any, x: Any, y: Any, ours_s: float) -> list[dict[str, Any]]:
+def _torchrow(quick: bool, params: Any, x: Any, y: Any, ours_s: float) -> list[dict[str, Any]]:
     try:
         import torch
     except ImportError:
@@ -245,7 +219,7 @@ def _torch_row(quick: bool, params: Any, x: Any, y: Any, ours_s: float) -> list[
         return loss
 
     t = interleaved({"torch": step}, 5 if quick else 31, 3 if quick else 10)
-    return [_row(f"  same step, PyTorch {torch.__version__} autograd.Function", "PyTorch (CPU)",
+    return [row(f"  same step, PyTorch {torch.__version__} autograd.Function", "PyTorch (CPU)",
                  ours_s / t["torch"], None)]
 
 
@@ -271,15 +245,10 @@ def row_stable(quick: bool) -> list[dict[str, Any]]:
         vg = {k: jax.jit(jax.value_and_grad(lambda v, f=f: jnp.sum(f(v))))
               for k, f in (("ours", ours_f), ("naive", naive_f), ("jax", jax_f)) if f is not None}
         t = interleaved({k: (lambda f=f: f(inp)) for k, f in vg.items()}, 5 if quick else 21, 3 if quick else 10)
-        rows.append(_row(f"stable.{name} value_and_grad", "naive formula", t["ours"] / t["naive"], 1.1))
+        rows.append(row(f"stable.{name} value_and_grad", "naive formula", t["ours"] / t["naive"], 1.1))
         if "jax" in t:
-            rows.append(_row(f"stable.{name} value_and_grad", "JAX equivalent", t["ours"] / t["jax"], 1.1))
+            rows.append(row(f"stable.{name} value_and_grad", "JAX equivalent", t["ours"] / t["jax"], 1.1))
     return rows
-
-
-def _row(name: str, baseline: str, ratio: float, target: float | None, fmt: str = "ratio") -> dict[str, Any]:
-    ok = None if target is None else bool(ratio <= target)
-    return {"workload": name, "baseline": baseline, "ratio": float(ratio), "target": target, "pass": ok, "fmt": fmt}
 
 
 def _extra_rows() -> list[Callable[[bool], list[dict[str, Any]]]]:

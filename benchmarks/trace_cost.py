@@ -11,29 +11,17 @@
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from timing import Row, once, row
 
 import gradkit as gk
 
-Row = dict[str, Any]
 PASS_GRAD = gk.vjp_rule(lambda op, g: (g,), name="pass_grad")
-
-
-def _row(name: str, baseline: str, ratio: float, target: float | None, fmt: str = "ratio") -> Row:
-    ok = None if target is None else bool(ratio <= target)
-    return {"workload": name, "baseline": baseline, "ratio": float(ratio), "target": target, "pass": ok, "fmt": fmt}
-
-
-def _time(f: Callable[[], Any]) -> float:
-    t0 = time.perf_counter()
-    jax.tree_util.tree_map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, f())
-    return time.perf_counter() - t0
 
 
 def _chain(n: int, every: int) -> Callable[[Any], Any]:
@@ -50,8 +38,8 @@ def _trace_ratio(n: int, every: int, repeats: int) -> tuple[float, float]:
     x = jnp.ones(4, jnp.float32)
     base, ours = [], []
     for _ in range(repeats):
-        base.append(_time(lambda: jax.make_jaxpr(_chain(n, every))(x)))
-        ours.append(_time(lambda: gk.override(_chain(n, every), {"sin": PASS_GRAD}).rewritten_jaxpr(x)))
+        base.append(once(lambda: jax.make_jaxpr(_chain(n, every))(x)))
+        ours.append(once(lambda: gk.override(_chain(n, every), {"sin": PASS_GRAD}).rewritten_jaxpr(x)))
     return statistics.median(ours) / statistics.median(base), statistics.median(ours)
 
 
@@ -63,11 +51,11 @@ def rows_trace(quick: bool) -> list[Row]:
         for n in sizes:
             ratio, s = _trace_ratio(n, every, 3 if (quick or n <= 10_000) else 1)
             secs.append(s)
-            rows.append(_row(f"trace+rewrite, {n} eqns, {pct} matched", "jax.make_jaxpr", ratio, 1.25))
+            rows.append(row(f"trace+rewrite, {n} eqns, {pct} matched", "jax.make_jaxpr", ratio, 1.25))
         slope = float(np.polyfit(np.log(sizes), np.log(secs), 1)[0])
-        rows.append(_row(f"  growth exponent, {sizes[0]}..{sizes[-1]} eqns", "linear = 1.0", slope, 1.1, "exp"))
+        rows.append(row(f"  growth exponent, {sizes[0]}..{sizes[-1]} eqns", "linear = 1.0", slope, 1.1, "exp"))
     n = 1000 if quick else 10_000
-    rows.append(_row(f"trace+rewrite, {n} eqns, every one matched", "jax.make_jaxpr",
+    rows.append(row(f"trace+rewrite, {n} eqns, every one matched", "jax.make_jaxpr",
                      _trace_ratio(n, 1, 3)[0], 1.6))
     return rows
 
@@ -118,7 +106,7 @@ def rows_transformer_replacements(quick: bool) -> list[Row]:
         counts[depth] = f.cache_info()
     one, deep = counts[1], counts[48]
     assert deep.traces == 1 and deep.reuses > 0
-    return [_row(f"48 transformer blocks: replacements traced ({deep.replacements}, "
+    return [row(f"48 transformer blocks: replacements traced ({deep.replacements}, "
                  f"{deep.reuses} reused)", "1 block", deep.replacements / one.replacements, 1.0, "count")]
 
 
@@ -138,9 +126,9 @@ def _deriv_rule(deriv):
     return gk.vjp_rule(lambda op, g: (g * deriv(op.inputs[0]),))
 
 
-TANH_D = lambda x: 1.0 - jnp.tanh(x) ** 2  # noqa: E731
+TANH_D = lambda x: 1.0 - jnp.tanh(x) ** 2
 EXP_D = jnp.exp
-RSQRT_D = lambda x: -0.5 * jax.lax.rsqrt(x) / x  # noqa: E731
+RSQRT_D = lambda x: -0.5 * jax.lax.rsqrt(x) / x
 TABLE = {"tanh": _deriv_rule(TANH_D), "exp": _deriv_rule(EXP_D), "rsqrt": _deriv_rule(RSQRT_D)}
 
 
@@ -196,14 +184,14 @@ def rows_first_call(quick: bool) -> list[Row]:
         ours_t, hand_t = [], []
         for _ in range(builds):  # interleaved fresh builds: each traces and compiles from nothing
             jax.clear_caches()
-            ours_t.append(_time(lambda: jax.jit(jax.grad(gk.override(make(plain_ops), TABLE)))(*args)))
+            ours_t.append(once(lambda: jax.jit(jax.grad(gk.override(make(plain_ops), TABLE)))(*args)))
             jax.clear_caches()
-            hand_t.append(_time(lambda: jax.jit(jax.grad(make(_twins())))(*args)))
+            hand_t.append(once(lambda: jax.jit(jax.grad(make(_twins())))(*args)))
         ours = jax.jit(jax.grad(gk.override(make(plain_ops), TABLE)))(*args)
         hand = jax.jit(jax.grad(make(_twins())))(*args)
         for a, b in zip(jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(hand)):
             np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
-        rows.append(_row(f"first call jit(grad), {name}", "hand custom_vjp twins",
+        rows.append(row(f"first call jit(grad), {name}", "hand custom_vjp twins",
                          statistics.median(ours_t) / statistics.median(hand_t), 1.10))
     return rows
 

@@ -1,0 +1,45 @@
+"""Timing and row helpers shared by every benchmark module (run.py and benchmarks/bench_*.py)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+Row = dict[str, Any]
+
+
+def block(x: Any) -> Any:
+    """``x`` once every array in it is computed."""
+    return jax.tree_util.tree_map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, x)
+
+
+def interleaved(fns: dict[str, Callable[[], Any]], repeats: int, inner: int = 1) -> dict[str, float]:
+    """Median seconds per call of each fn, alternating between them to share the noise."""
+    for f in fns.values():
+        block(f())
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                out = f()
+            block(out)
+            times[k].append((time.perf_counter() - t0) / inner)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def once(f: Callable[[], Any]) -> float:
+    """Seconds of one call of ``f``, its results computed."""
+    t0 = time.perf_counter()
+    block(f())
+    return time.perf_counter() - t0
+
+
+def row(name: str, baseline: str, ratio: float, target: float | None, fmt: str = "ratio") -> Row:
+    """One row of the table: a ratio (gradkit / baseline) and whether it meets its target (``None``: none)."""
+    ok = None if target is None else bool(ratio <= target)
+    return {"workload": name, "baseline": baseline, "ratio": float(ratio), "target": target, "pass": ok, "fmt": fmt}
