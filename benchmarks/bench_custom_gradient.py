@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from timing import interleaved, row
+from common import interleaved, row
 
 import gradkit as gk
 

@@ -24,20 +24,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from timing import interleaved, row
+from common import interleaved, mlp_problem, row
 
 import gradkit as gk
-
-
-def _mlp_problem(batch: int, width: int, depth: int) -> tuple[Any, Any, Any]:
-    """As in benchmarks/run.py."""
-    keys = jax.random.split(jax.random.key(0), depth + 2)
-    dims = [32] + [width] * depth + [1]
-    params = [{"w": jax.random.normal(k, (a, b), jnp.float32) / np.sqrt(a), "b": jnp.zeros((b,), jnp.float32)}
-              for k, a, b in zip(keys, dims[:-1], dims[1:])]
-    x = jax.random.normal(keys[-1], (batch, 32), jnp.float32)
-    y = (x[:, 0] > 0).astype(jnp.float32)
-    return params, x, y
 
 
 def _mlp_loss(params: Any, x: Any, y: Any) -> Any:
@@ -57,7 +46,7 @@ def rows(quick: bool = False) -> list[dict[str, Any]]:
     import optax
 
     batch, width, depth = (64, 128, 2) if quick else (256, 512, 4)
-    params, x, y = _mlp_problem(batch, width, depth)
+    params, x, y = mlp_problem(batch, width, depth)
     opt = optax.sgd(1e-3, momentum=0.9)
 
     def make_step(vg: Callable[..., Any]) -> Callable[..., Any]:

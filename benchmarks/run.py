@@ -22,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from timing import interleaved, row
+from common import interleaved, mlp_problem, row
 
 import gradkit as gk
 from gradkit._src import compat
@@ -138,16 +138,6 @@ def row_eager_calls(quick: bool) -> list[dict[str, Any]]:
     return [row("repeated eager call (traces: 1)", "jax.jit(f)", t["ours"] / t["plain"], 1.05)]
 
 
-def _mlp_problem(batch: int, width: int, depth: int) -> tuple[Any, Any, Any]:
-    keys = jax.random.split(jax.random.key(0), depth + 2)
-    dims = [32] + [width] * depth + [1]
-    params = [{"w": jax.random.normal(k, (a, b), jnp.float32) / np.sqrt(a), "b": jnp.zeros((b,), jnp.float32)}
-              for k, a, b in zip(keys, dims[:-1], dims[1:])]
-    x = jax.random.normal(keys[-1], (batch, 32), jnp.float32)
-    y = (x[:, 0] > 0).astype(jnp.float32)
-    return params, x, y
-
-
 def _mlp_loss(act: Callable[[Any], Any]) -> Callable[..., Any]:
     def loss(params, x, y):
         h = x
@@ -162,7 +152,7 @@ def row_mlp(quick: bool) -> list[dict[str, Any]]:
     import optax
 
     batch, width, depth = (64, 128, 2) if quick else (256, 512, 4)
-    params, x, y = _mlp_problem(batch, width, depth)
+    params, x, y = mlp_problem(batch, width, depth)
     opt = optax.sgd(1e-3, momentum=0.9)
 
     def make_step(loss):

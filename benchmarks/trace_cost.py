@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from timing import Row, once, row
+from common import Row, once, row
 
 import gradkit as gk
 

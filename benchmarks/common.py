@@ -1,4 +1,4 @@
-"""Timing and row helpers shared by every benchmark module (run.py and benchmarks/bench_*.py)."""
+"""What every benchmark module shares (run.py and benchmarks/bench_*.py): timing, table rows, the MLP problem."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 Row = dict[str, Any]
 
@@ -43,3 +45,14 @@ def row(name: str, baseline: str, ratio: float, target: float | None, fmt: str =
     """One row of the table: a ratio (gradkit / baseline) and whether it meets its target (``None``: none)."""
     ok = None if target is None else bool(ratio <= target)
     return {"workload": name, "baseline": baseline, "ratio": float(ratio), "target": target, "pass": ok, "fmt": fmt}
+
+
+def mlp_problem(batch: int, width: int, depth: int) -> tuple[Any, Any, Any]:
+    """Parameters of a ``depth``-layer MLP of ``width`` units on 32 features, a batch and its 0/1 labels."""
+    keys = jax.random.split(jax.random.key(0), depth + 2)
+    dims = [32] + [width] * depth + [1]
+    params = [{"w": jax.random.normal(k, (a, b), jnp.float32) / np.sqrt(a), "b": jnp.zeros((b,), jnp.float32)}
+              for k, a, b in zip(keys, dims[:-1], dims[1:])]
+    x = jax.random.normal(keys[-1], (batch, 32), jnp.float32)
+    y = (x[:, 0] > 0).astype(jnp.float32)
+    return params, x, y
