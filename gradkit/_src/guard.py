@@ -3,11 +3,13 @@
 How it works, and why this way:
 
 * **Finite calls.** Inside a compiled step the guard adds one check of the
-  loss and the gradient leaves (``min(isfinite(x))``, fused by XLA) and a
+  loss and the gradient leaves (``any(~isfinite(x))``, fused by XLA) and a
   ``lax.cond`` on it. Nothing leaves the device and the values are those of
-  ``jax.value_and_grad``.
+  ``jax.value_and_grad``: each result is ``select(ok, x, barrier(x))``,
+  which carries the flag and fuses into whatever reads it.
 * **Bad calls.** The false branch of the ``cond`` is a host callback
-  (``io_callback``) that receives exactly that call's inputs (the only
+  (``pure_callback``: a side-effecting ``io_callback`` makes XLA:CPU order
+  the whole step, about 10% of a training step) that receives exactly that call's inputs (the only
   transfer off the device). Under ``vmap`` the reporter is a ``custom_vmap``
   function (:mod:`gradkit._src.guard_host`), so the callback still runs only
   when some batch element is bad, once, and audits the bad elements only.
@@ -29,9 +31,9 @@ How it works, and why this way:
 The raise mode's exception: an eager call raises :class:`NonFiniteGradientError`
 (a :class:`GradkitError`); inside a ``jax.jit``-ed step the callback's
 exception reaches you as ``jax.errors.JaxRuntimeError`` (JAX's type for a
-failed computation; a ``RuntimeError``; on jax < 0.10 the calls after the
-first, which take JAX's C++ dispatch path, get a ``ValueError``), raised where
-the step's results are first needed, whose message contains the report.
+failed computation, a ``RuntimeError``) on a step's first call and as a
+``ValueError`` on the calls after it, which take JAX's C++ dispatch path,
+raised where the step's results are first needed, whose message contains the report.
 :attr:`Guard.step_errors` lists them.
 """
 
@@ -57,7 +59,7 @@ from gradkit._src.audit import audit
 from gradkit._src.audit_report import AuditReport
 from gradkit._src.describe import def_source, fmt, fn_name, one_line
 from gradkit._src.errors import GradkitError
-from gradkit._src.guard_host import all_finite, bad_elements, report_if_bad
+from gradkit._src.guard_host import all_finite, bad_elements, depend, report_if_bad
 
 __all__ = ["Guard", "GuardReport", "NonFiniteGradientError", "guard"]
 
@@ -70,8 +72,8 @@ class NonFiniteGradientError(GradkitError):
     """The loss or a gradient of a guarded call is NaN or inf (``on_nonfinite="raise"``).
 
     Raised as is by an eager call. Inside a compiled step it is raised in the
-    host callback, and JAX delivers it as ``jax.errors.JaxRuntimeError`` whose
-    message contains this one's.
+    host callback, and JAX delivers it as ``jax.errors.JaxRuntimeError`` or
+    ``ValueError`` (see :attr:`Guard.step_errors`) whose message contains this one's.
 
     Attributes:
       reports: the :class:`GuardReport` of each audited bad element of the call.
@@ -136,9 +138,9 @@ def guard(loss_fn: Callable[..., Any], *, argnums: int | Sequence[int] = 0, has_
 
     * ``"raise"``: the step raises, with the report in the message. Eagerly:
       :class:`NonFiniteGradientError` (a :class:`GradkitError`); inside a
-      compiled step: ``jax.errors.JaxRuntimeError``, raised where the step's
-      results are first used (``float(loss)``, ``block_until_ready``); catch
-      ``guard.step_errors`` to cover every JAX version.
+      compiled step: ``jax.errors.JaxRuntimeError`` or ``ValueError``,
+      raised where the step's results are first used (``float(loss)``,
+      ``block_until_ready``); catch ``guard.step_errors``.
     * ``"skip"``: the gradients come back as zeros (an SGD/Adam update with
       them is a no-op, as with ``optax.apply_if_finite``) and training goes on.
     * ``"report"``: the values come back unchanged.
@@ -194,14 +196,13 @@ class Guard:
       fn: the guarded loss function.
       argnums, has_aux, on_nonfinite: as given to :func:`guard`.
       step_errors: what a compiled step raises in ``"raise"`` mode, for
-        ``except guard.step_errors``: ``jax.errors.JaxRuntimeError`` (and, on
-        jax < 0.10, ``ValueError``, which calls after the first get from JAX's
-        fast dispatch path), plus :class:`NonFiniteGradientError` for eager calls.
+        ``except guard.step_errors``: ``jax.errors.JaxRuntimeError`` (a step's
+        first call) and ``ValueError`` (what JAX's fast C++ dispatch path, which
+        later calls take, makes of a failed host callback), plus
+        :class:`NonFiniteGradientError` for eager calls.
     """
 
-    step_errors: tuple[type[BaseException], ...] = (
-        (jax.errors.JaxRuntimeError, NonFiniteGradientError)
-        + ((ValueError,) if compat.JAX_VERSION < (0, 10) else ()))
+    step_errors: tuple[type[BaseException], ...] = (jax.errors.JaxRuntimeError, ValueError, NonFiniteGradientError)
 
     def __init__(self, fn: Callable[..., Any], *, argnums: int | Sequence[int] = 0, has_aux: bool = False,
                  on_nonfinite: str = "raise"):
@@ -294,11 +295,10 @@ class Guard:
         moved = [lax.stop_gradient(jax.random.key_data(x) if k is not None else x) for x, k in zip(dyn, keys)]
         host = functools.partial(_host, weakref.ref(self), split, tuple(keys))
         ok = report_if_bad(host, all_finite(leaves), [lax.stop_gradient(loss), *moved])
-        # Every result depends on ``ok`` (``where(ok, x, x)``, which XLA folds to ``x``): JAX versions
-        # whose custom_vmap hides the callback's effect would otherwise drop the reporter as dead code.
+        # Every result depends on the callback's flag, else XLA drops the (pure) callback.
         zero = self.on_nonfinite == "skip"
-        grads = jax.tree_util.tree_map(lambda g: jnp.where(ok, g, jnp.zeros_like(g) if zero else g), grads)
-        loss = jnp.where(ok, loss, loss)
+        grads = jax.tree_util.tree_map(lambda g: depend(ok, g, zero), grads)
+        loss = depend(ok, loss)
         return ((loss, value[1]) if self.has_aux else loss), grads
 
     def _eager(self, value: Any, grads: Any, leaves: list[Any], split: Split, dyn: list[Any]) -> Any:
