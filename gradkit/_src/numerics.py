@@ -351,7 +351,8 @@ def sigmoid_prime(x: jax.Array) -> jax.Array:
     One ``exp``, which a value written with the same ``exp(-|x|)`` shares
     (``gk.stable.sigmoid``, ``silu``); its error is damped by
     ``(1 - e)/(1 + e)``. ``(1 + e)^2 = S + S_lo`` exactly (:func:`square_one_plus`),
-    so what remains is the division's rounding and one last addition.
+    so what remains is the division's rounding and one last addition
+    (:func:`div_first_order`).
     """
     e = exp(-jnp.abs(x))
     big, big_lo = square_one_plus(e)
