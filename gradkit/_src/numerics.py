@@ -546,14 +546,14 @@ def div_df(num: jax.Array, num_lo: jax.Array | float, den: jax.Array, den_lo: ja
 
 def div_first_order(num: jax.Array, num_lo: jax.Array | float, den: jax.Array,
                     den_lo: jax.Array | float) -> jax.Array:
-    """``(num + num_lo) / (den + den_lo)`` with the low parts applied to first order: one division, nothing exact.
+    """``(num + num_lo) / (den + den_lo)``: one division, the low parts applied to first order.
 
-    ``num / den`` plus ``(num_lo - (num / den) den_lo) / den``, the quotient
-    and ``1/den`` in the correction taken from :func:`recip_approx` (no second
-    division, and the one division appears once, so XLA fuses the whole
-    expression into its consumer). What :func:`div_df` removes and this keeps
-    is the division's own rounding (0.5 ULP), for about a quarter of the cost.
-    Needs a normal ``den > 0``.
+    ``num / den`` plus ``(num_lo - (num / den) den_lo) / den`` with ``1/den``
+    from :func:`recip_approx`; the division appears once, so XLA fuses it all
+    into its consumer. Keeps what :func:`div_df` removes, the division's own
+    rounding (0.5 ULP), at a quarter of the cost. Needs a normal ``den``,
+    computed with no product a fused multiply-add could round differently in
+    another fusion: the correction must see the ``den`` that was divided by.
     """
     r = recip_approx(den)
     corr = -(num * r) * (den_lo * r)
@@ -566,7 +566,7 @@ _RECIP_MAGIC = {np.dtype(np.float32): (np.int32, 0x7EF311C3), np.dtype(np.float6
 
 
 def recip_approx(s: jax.Array, steps: int = 1) -> jax.Array:
-    """``1/s`` for normal ``s > 0`` without a division: a bit trick and Newton steps (1.5%; 2e-4 with two).
+    """``1/s`` for normal ``s`` of either sign without a division: a bit trick and Newton steps (0.3% after one).
 
     For correction terms only: they are a few ULP at most, so 1.5% of them
     is far below the final rounding, and a second division would cost
