@@ -6,18 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from bad_input_cases import (  # noqa: F401
-    AFFINE_LINE,
-    BINARY_LINE,
-    LOSS_LINE,
-    THIS_FILE,
+from bad_input_cases import (
     X,
-    affine,
-    affine_loss,
-    binary_loss,
     hand_sin,
     loss,
-    notes,
     x64,
 )
 

@@ -7,18 +7,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from bad_input_cases import (  # noqa: F401
+from bad_input_cases import (
     AFFINE_LINE,
     BINARY_LINE,
     LOSS_LINE,
     THIS_FILE,
     X,
-    affine,
     affine_loss,
     binary_loss,
-    hand_sin,
     loss,
-    notes,
     x64,
 )
 from jax import lax
