@@ -35,7 +35,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import interleaved, row
+from common import format_row, interleaved, row
 
 import gradkit as gk
 
@@ -196,9 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"F32_BACKWARD (jax {jax.__version__}, {jax.devices()[0].platform})")
     for r in rows(args.quick):
-        target = "" if r["target"] is None else f"<= {r['target']:.2f}"
-        verdict = "" if r["pass"] is None else ("pass" if r["pass"] else "MISS")
-        print(f"{r['workload']:64} {r['baseline']:20} {r['ratio']:8.3f} {target:>8}  {verdict}")
+        print(format_row(r, 64))
     return 0
 
 

@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import interleaved, mlp_problem, row
+from common import format_row, interleaved, mlp_problem, row
 
 import gradkit as gk
 
@@ -92,9 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     print(f"gk.guard finite-path cost (jax {jax.__version__}, {jax.devices()[0].platform})")
     for r in rows(args.quick):
-        target = "" if r["target"] is None else f"<= {r['target']:.2f}"
-        verdict = "" if r["pass"] is None else ("pass" if r["pass"] else "MISS")
-        print(f"{r['workload']:52} {r['baseline']:20} {r['ratio']:8.3f} {target:>8}  {verdict}")
+        print(format_row(r, 52))
     return 0
 
 

@@ -47,6 +47,13 @@ def row(name: str, baseline: str, ratio: float, target: float | None, fmt: str =
     return {"workload": name, "baseline": baseline, "ratio": float(ratio), "target": target, "pass": ok, "fmt": fmt}
 
 
+def format_row(r: Row, width: int = 48) -> str:
+    """One printed line of the table: workload, baseline, ratio, target and verdict."""
+    target = "" if r["target"] is None else f"<= {r['target']:.2f}"
+    verdict = "" if r["pass"] is None else ("pass" if r["pass"] else "MISS")
+    return f"{r['workload']:{width}} {r['baseline']:20} {r['ratio']:8.3f} {target:>8}  {verdict}"
+
+
 def mlp_problem(batch: int, width: int, depth: int) -> tuple[Any, Any, Any]:
     """Parameters of a ``depth``-layer MLP of ``width`` units on 32 features, a batch and its 0/1 labels."""
     keys = jax.random.split(jax.random.key(0), depth + 2)

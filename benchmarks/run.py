@@ -22,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import interleaved, mlp_problem, row
+from common import format_row, interleaved, mlp_problem, row
 
 import gradkit as gk
 from gradkit._src import compat
@@ -268,9 +268,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{'quick' if args.quick else 'full'}; ratios = gradkit / baseline, same process)")
     print(f"{'workload':48} {'baseline':18} {'ratio':>8} {'target':>8}  result")
     for r in rows:
-        target = "" if r["target"] is None else f"<= {r['target']:.2f}"
-        verdict = "" if r["pass"] is None else ("pass" if r["pass"] else "MISS")
-        print(f"{r['workload']:48} {r['baseline']:18} {r['ratio']:8.3f} {target:>8}  {verdict}")
+        print(format_row(r))
     with open(args.json, "w") as fh:
         json.dump({"jax": jax.__version__, "platform": jax.devices()[0].platform, "quick": args.quick,
                    "jax_version_tuple": compat.JAX_VERSION, "rows": rows}, fh, indent=1)
