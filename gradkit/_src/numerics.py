@@ -235,55 +235,76 @@ def exp(x: jax.Array) -> jax.Array:
 
 
 _LN2 = math.log(2.0)
+_BERN = [float(_B[2 * j + 2] / math.factorial(2 * j + 2)) for j in range(30)]  # x/expm1(x) - 1 + x/2 in x^2
 
 
-def _expm1_recip(x: jax.Array, lo: jax.Array | float) -> jax.Array:
-    # 1/expm1(x + lo) = N/D with D and N taken exactly (value and rounding error):
-    #   |x| < log 2: N = 1, D = x + x^2 P(x) (the Taylor series; x exact, the tail small);
-    #   x >= log 2:  N = e, D = 1 - e; x <= -log 2: N = -1, D = 1 - e, e = exp(-|x|) <= 1/2,
-    # so 1 - e in [1/2, 1) and its rounding error is exact. Then one division and a correction.
+def _expm1_recip(x: jax.Array, lo: jax.Array | None) -> jax.Array:
+    # N/D, D one that no fused multiply-add can change (XLA may recompute it for the correction in
+    # another fusion): |x| < log 2: N = x/expm1(x) (a series, 1 - x/2 exact), D = x; beyond,
+    # N = e or -1, D = 1 - e, e = exp(-|x|) <= 1/2 from XLA's exp. exp's error (which 1/(1 - e)
+    # would double) and the rounding of N and D enter the correction, where a recomputation is harmless.
     dtype = np.dtype(x.dtype)
     ax = jnp.abs(x)
     small = ax < _LN2
-    xs = jnp.where(small, x, 0.0)
-    n = _terms(_EXPM1, _LN2, 1, _eps(dtype))
-    tail = (xs * xs) * _horner(xs, _EXPM1[:n])
+    xs = jnp.where(small, x, 1.0)
+    half = 0.5 * xs
+    s1 = 1.0 - half
+    z = xs * xs
+    tail = z * _horner(z, _BERN[:_terms(_BERN, _LN2, 2, _eps(dtype) / 4) or 1]) + ((one_of(s1) - s1) - half)
+    n_hi = s1 + tail
+    n_lo = tail - (n_hi - s1)  # Fast2Sum: |s1| >= |tail|
     bias = _EXP[dtype][4]
-    clamp = (bias - 1) * _LN2  # below exp(-clamp), e is flushed to 0 (and 1/expm1 is e or -1)
-    k, m, c = exp_parts(-jnp.minimum(ax, clamp))
-    p2 = jnp.where(ax < clamp, pow2(k, dtype), 0.0)
-    e, e_lo = m * p2, c * p2
+    clamp = (bias - 1) * _LN2  # beyond, e is 0 (XLA:CPU flushes subnormals) and 1/expm1 is 0 or -1
+    ab = jnp.minimum(jnp.where(small, _LN2, ax), clamp)
+    e = jnp.exp(-ab)
+    k, m, c = exp_parts(-ab)
+    p2 = pow2(k, dtype)
+    e_err = (m * p2 - e) + c * p2  # exp(-ab) - e: the difference of two values within 2 ULP is exact
+    beyond = ax >= clamp  # (NaN stays NaN)
+    e, e_err = jnp.where(beyond, 0.0, e), jnp.where(beyond, 0.0, e_err)
+    den = 1.0 - e
     pos = x > 0
-    num = jnp.where(small, 1.0, jnp.where(pos, e, -1.0))
-    num_lo = jnp.where(small | ~pos, 0.0, e_lo)
-    den = jnp.where(small, xs + tail, 1.0 - e)
-    # The low part from den itself (x - den and 1 - den are exact): XLA may compute den in one
-    # fusion and recompute the tail in another, where a fused multiply-add rounds it differently.
-    den_lo = jnp.where(small, (xs - den) + tail, ((one_of(den) - den) - e) - e_lo)
-    # expm1(x + lo) = expm1(x) + lo e^x, e^x = 1 + den, 1/e or e in the three ranges
-    den_lo = den_lo + lo * jnp.where(small, 1.0 + den, jnp.where(pos, 1.0, -e))
-    return div_df(num, num_lo, den, den_lo)
+    num = jnp.where(small, n_hi, jnp.where(pos, e, -1.0))
+    num_lo = jnp.where(small, n_lo, jnp.where(pos, e_err, 0.0))
+    d = jnp.where(small, xs, den)
+    d_lo = jnp.where(small, 0.0, ((one_of(den) - den) - e) - e_err)
+    g = jnp.where(x == 0, 1.0 / x, div_first_order(num, num_lo, d, d_lo))  # ±inf at ±0
+    if lo is None:
+        return g
+    # expm1(x + lo) = expm1(x) + lo e^x: 1/expm1(x + lo) = g - lo g (1 + g)
+    return jnp.where(jnp.isfinite(g), g - (lo * g) * (1.0 + g), g)
 
 
 @jax.custom_jvp
-def expm1_recip(x: jax.Array, lo: jax.Array | float = 0.0) -> jax.Array:
-    """``1 / expm1(x + lo)``, ``lo`` a small low part (of an exact difference), rounded once (≤ 1.5 ULP).
+@_lowp
+def expm1_recip(x: jax.Array) -> jax.Array:
+    """``1 / expm1(x)`` within 1.2 ULP: the derivative of ``log1mexp`` (and, at ``-x``, of ``softplus_inverse``).
 
-    The derivative of ``log1mexp`` (and, negated at ``-x``, of
-    ``softplus_inverse`` and ``log_sub_exp``). ``exp`` comes from
-    :func:`exp_parts` with its low part: where ``1 - e`` halves ``e``, an
-    ``exp`` error of 1 ULP would be 2 ULP of the result. ``+inf`` at 0,
-    ``-1`` at ``-inf``, 0 at ``+inf``.
+    One division and a first-order correction (:func:`div_first_order`)
+    carrying the rounding of numerator and denominator and ``exp``'s error
+    (from :func:`exp_parts`). ``±inf`` at ``±0``, ``-1`` at ``-inf``, 0 at ``+inf``.
     """
-    lo = jnp.asarray(lo, x.dtype)
+    return _expm1_recip(x, None)
+
+
+@jax.custom_jvp
+def expm1_recip_of_sum(x: jax.Array, lo: jax.Array) -> jax.Array:
+    """``1 / expm1(x + lo)`` for a small ``lo`` (the low part of an exact difference; ``log_sub_exp``)."""
     return _lowp(_expm1_recip)(x, lo)
 
 
 @expm1_recip.defjvp
 def _expm1_recip_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    g = expm1_recip(x)
+    return g, -t * (g * (1.0 + g))  # (1/expm1)' = -e^x / expm1^2 = -g (1 + g)
+
+
+@expm1_recip_of_sum.defjvp
+def _expm1_recip_of_sum_jvp(primals, tangents):
     (x, lo), (tx, tlo) = primals, tangents
-    g = expm1_recip(x, lo)
-    return g, -(tx + tlo) * (g * (1.0 + g))  # (1/expm1)' = -e^x / expm1^2 = -g (1 + g)
+    g = expm1_recip_of_sum(x, lo)
+    return g, -(tx + tlo) * (g * (1.0 + g))
 
 
 # sigmoid's exponent is capped here: sigmoid(80) rounds to 1 in float32 and
@@ -577,24 +598,3 @@ def recip_approx(s: jax.Array, steps: int = 1) -> jax.Array:
     for _ in range(steps):
         r = r * (2.0 - s * r)
     return r
-
-
-
-def two_diff(x: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``x - y`` as ``hi + lo`` exactly (Knuth's TwoSum); ``lo = 0`` where ``hi`` is not finite."""
-    hi = lax.optimization_barrier(x - y)
-    yy = lax.optimization_barrier(x - hi)  # the y that was actually subtracted
-    lo = (x - (hi + yy)) + (yy - y)
-    return hi, jnp.where(jnp.isfinite(hi), lo, 0.0)
-
-
-def pow2_floor(m: jax.Array) -> jax.Array:
-    """The largest power of two ``<= m`` (1 where ``m`` is 0 or not finite); always a normal number.
-
-    Dividing by a power of two is exact, so ``S * sqrt(sum((x / S)^2))`` equals
-    the naive 2-norm wherever that does not overflow or underflow, and is
-    finite and accurate where it does.
-    """
-    ok = jnp.isfinite(m) & (m > 0)
-    _, e = jnp.frexp(jnp.where(ok, m, 1.0))
-    return jnp.where(ok, jnp.ldexp(jnp.ones_like(m), e - 1), 1.0)

@@ -9,7 +9,7 @@ from jax.typing import ArrayLike
 
 from gradkit._src import numerics as _k
 from gradkit._src.named import op as _op
-from gradkit._src.stable_util import split_constant
+from gradkit._src.stable_util import split_constant, two_diff
 
 Array = jax.Array
 _LN2_DIGITS = "0.693147180559945309417232121458176568075500134360255254120680"
@@ -17,7 +17,7 @@ _LN2_DIGITS = "0.693147180559945309417232121458176568075500134360255254120680"
 
 def _sigmoid_of_difference(x: Array, y: Array) -> tuple[Array, Array]:
     """``(sigmoid(x - y), sigmoid(y - x))`` with ``x - y`` taken exactly (TwoSum)."""
-    hi, lo = _k.two_diff(x, y)
+    hi, lo = two_diff(x, y)
     same_inf = (x == y) & jnp.isinf(x)
     hi = jnp.where(same_inf, 0.0, hi)  # equal infinities: the limit along x == y
     return _k.sigmoid_of_sum(hi, lo), _k.sigmoid_of_sum(-hi, -lo)
@@ -67,7 +67,7 @@ def _expm1_recip(x):
     1/expm1(x) < -1 there, but it rounds to -1 from x = -17 (float32) on;
     below -1, log1mexp = -log1p(g) is NaN as well.
     """
-    g = _k.expm1_recip(x)
+    g = _k.expm1_recip(jnp.where(x == 0, 0.0, x))  # -0 is in the domain: +inf there
     below = float(np.nextafter(np.array(-1.0, x.dtype), np.array(-2.0, x.dtype)))
     return jnp.where(x < 0, jnp.minimum(g, below), g)
 
@@ -130,12 +130,12 @@ def _log_sub_exp(x, y):
 @_log_sub_exp.defjvp
 def _log_sub_exp_jvp(primals, tangents):
     (x, y), (tx, ty) = primals, tangents
-    hi, lo = _k.two_diff(x, y)
+    hi, lo = two_diff(x, y)
     same_inf = (x == y) & jnp.isinf(x)
     hi = jnp.where(same_inf, 0.0, hi)
 
-    dx = -_k.expm1_recip(-hi, -lo)
-    dy = -_k.expm1_recip(hi, lo)
+    dx = -_k.expm1_recip_of_sum(-hi, -lo)
+    dy = -_k.expm1_recip_of_sum(hi, lo)
     return _log_sub_exp(x, y), tx * dx + ty * dy
 
 
@@ -158,13 +158,19 @@ def log_sub_exp(x: ArrayLike, y: ArrayLike) -> Array:
 
 @jax.custom_jvp
 def _softplus_inverse(x):
-    # The value is 0 at x = log 2, where x + log(1 - e^-x) cancels; there use
-    # log(e^x - 1) = log1p(e^x - 2) = log1p(2 expm1(x - log 2)), with x - log 2 exact enough.
+    # log(e^x - 1) is 0 at x = log 2, where x + log(1 - e^-x) cancels; there (|d| < 1/4) use
+    # log1p(e^x - 2) = log1p(2 expm1(d)), d = x - log 2 exact enough; below, log(expm1(x)); above,
+    # x + log1p(-e^-x). Both expm1 are one Taylor series (|argument| < 0.45, no exp), one log1p
+    # serves the two upper ranges.
     ln2_hi, ln2_lo = split_constant(_LN2_DIGITS, x.dtype)
     d = (x - ln2_hi) - ln2_lo * _k.one_of(jnp.abs(x) + 1.0)  # XLA would fold the two constants into one
     near = jnp.abs(d) < 0.25
-    around = _k.log1p(2.0 * _k.expm1(jnp.where(near, d, 0.0)))
-    return jnp.where(near, around, x + jnp.log(-_k.expm1(-x)))
+    low = (x < ln2_hi) & ~near
+    em = _k.expm1_series(jnp.where(near, d, jnp.where(low, x, 0.0)), 0.45)
+    e = jnp.exp(-jnp.where(near | low, 1.0, x))
+    log1p = jnp.log1p if x.dtype == np.float32 else _k.log1p  # XLA:CPU's is off by 127 ULP in float64
+    upper = jnp.where(near, 0.0, x) + log1p(jnp.where(near, 2.0 * em, -e))
+    return jnp.where(low, jnp.log(jnp.where(low, em, 1.0)), upper)
 
 
 @_softplus_inverse.defjvp
@@ -179,7 +185,8 @@ def softplus_inverse(x: ArrayLike) -> Array:
 
     Naive: ``jnp.log(jnp.expm1(x))`` overflows for ``x > 88.7`` (float32)
     and its gradient is ``inf/inf = NaN`` there. This computes
-    ``x + log(-expm1(-x))``; the derivative is ``1 / (1 - exp(-x))``.
+    ``x + log1p(-exp(-x))`` (``log1p(2 expm1(x - log 2))`` next to its zero
+    at ``log 2``); the derivative is ``1 / (1 - exp(-x))``.
 
     Examples:
       >>> import jax, gradkit as gk

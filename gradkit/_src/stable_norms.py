@@ -12,7 +12,7 @@ from jax.typing import ArrayLike
 
 from gradkit._src import numerics as _k
 from gradkit._src.named import op as _op
-from gradkit._src.stable_util import named, norm_axes, static_axis
+from gradkit._src.stable_util import named, norm_axes, pow2_floor, static_axis
 
 Array = jax.Array
 
@@ -20,7 +20,7 @@ Array = jax.Array
 @jax.custom_jvp
 def _hypot(x, y):
     m = jnp.maximum(jnp.abs(x), jnp.abs(y))
-    scale = _k.pow2_floor(m)
+    scale = pow2_floor(m)
     xs, ys = x / scale, y / scale
     h = scale * jnp.sqrt(xs * xs + ys * ys)
     return jnp.where(jnp.isinf(x) | jnp.isinf(y), jnp.inf, h)
@@ -31,7 +31,7 @@ def _hypot_jvp(primals, tangents):
     (x, y), (tx, ty) = primals, tangents
     m = jnp.maximum(jnp.abs(x), jnp.abs(y))
     ok = jnp.isfinite(m) & (m > 0)
-    scale = _k.pow2_floor(jnp.where(ok, m, 1.0))
+    scale = pow2_floor(jnp.where(ok, m, 1.0))
     # the barrier stops XLA from merging (x / s) / h into x / (s h), which overflows
     xs, ys = lax.optimization_barrier((jnp.where(ok, x, 1.0) / scale, jnp.where(ok, y, 1.0) / scale))
     # (x, y) / hypot: the squares and their sum exactly, the square root corrected by one Newton
@@ -84,7 +84,7 @@ def _unit(x, axes):
     the infinite entries.
     """
     m = jnp.max(jnp.abs(x), axis=axes, keepdims=True)
-    scale = _k.pow2_floor(m)
+    scale = pow2_floor(m)
     xs = x / scale
     inf = jnp.isinf(m)
     xs = jnp.where(inf, jnp.where(jnp.isinf(x), jnp.sign(x), 0.0), xs)

@@ -12,7 +12,7 @@ from jax.typing import ArrayLike
 
 from gradkit._src import numerics as _k
 from gradkit._src.named import op as _op
-from gradkit._src.stable_util import named, where0
+from gradkit._src.stable_util import named, pow2_floor, where0
 
 Array = jax.Array
 
@@ -145,7 +145,7 @@ def _safe_arctan2_jvp(primals, tangents):
     (y, x), (ty, tx) = primals, tangents
     m = jnp.maximum(jnp.abs(x), jnp.abs(y))
     ok = jnp.isfinite(m) & (m > 0)
-    scale = _k.pow2_floor(jnp.where(ok, m, 1.0))
+    scale = pow2_floor(jnp.where(ok, m, 1.0))
     # the barrier stops XLA from merging (x / s) / d / s into x / (s * d * s), which overflows
     xs, ys = lax.optimization_barrier((jnp.where(ok, x, 1.0) / scale, jnp.where(ok, y, 0.0) / scale))
     d = xs * xs + ys * ys

@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 Array = jax.Array
 F = TypeVar("F", bound=Callable[..., Any])
@@ -54,3 +55,22 @@ def static_axis(axis: Any) -> Any:
         return int(axis)
     return axis
 
+
+def two_diff(x: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``x - y`` as ``hi + lo`` exactly (Knuth's TwoSum); ``lo = 0`` where ``hi`` is not finite."""
+    hi = lax.optimization_barrier(x - y)
+    yy = lax.optimization_barrier(x - hi)  # the y that was actually subtracted
+    lo = (x - (hi + yy)) + (yy - y)
+    return hi, jnp.where(jnp.isfinite(hi), lo, 0.0)
+
+
+def pow2_floor(m: jax.Array) -> jax.Array:
+    """The largest power of two ``<= m`` (1 where ``m`` is 0 or not finite); always a normal number.
+
+    Dividing by a power of two is exact, so ``S * sqrt(sum((x / S)^2))`` equals
+    the naive 2-norm wherever that does not overflow or underflow, and is
+    finite and accurate where it does.
+    """
+    ok = jnp.isfinite(m) & (m > 0)
+    _, e = jnp.frexp(jnp.where(ok, m, 1.0))
+    return jnp.where(ok, jnp.ldexp(jnp.ones_like(m), e - 1), 1.0)
