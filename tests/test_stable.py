@@ -757,6 +757,23 @@ def test_error_free_sums_and_products_under_jit():
     assert np.max(np.abs(q - exact) / np.spacing(np.abs(q).astype(np.float32)).astype(np.float64)) <= 0.51
 
 
+def test_expm1_recip_every_binade_and_its_limits(maybe_jit):
+    """1/expm1(x) within 1.2 ULP on both signs of every binade from 2^-20 to 64 (series, exp branches
+    and the switch at log 2), against mpmath; ±inf at ±0, -1 at -inf, 0 at +inf, NaN stays NaN."""
+    from gradkit._src import numerics as k
+
+    base = np.concatenate([2.0 ** np.arange(-20, 7), [math.log(2.0)], np.linspace(0.5, 1.0, 9) * math.log(2.0) * 2])
+    pos = _neighbours(base, np.float32, 2)
+    xs = np.concatenate([pos, -pos]).astype(np.float32)
+    g = np.asarray(maybe_jit(k.expm1_recip)(jnp.asarray(xs)))
+    worst = max(_ulps(v, 1 / mp.expm1(mp.mpf(float(x))), np.float32) for x, v in zip(xs, g))
+    assert worst <= 1.2, worst
+    special = np.asarray([0.0, -0.0, -np.inf, np.inf, np.nan], np.float32)
+    got = np.asarray(maybe_jit(k.expm1_recip)(jnp.asarray(special)))
+    np.testing.assert_array_equal(got[:4], [np.inf, -np.inf, -1.0, 0.0])
+    assert np.isnan(got[4])
+
+
 def test_kernels_match_across_fusions():
     """XLA may compute a division in one fusion and its correction in another (a value used twice);
     the quotient must not depend on it."""

@@ -104,11 +104,11 @@ def log1mexp(x: ArrayLike) -> Array:
 
     Naive: ``jnp.log(1 - jnp.exp(-x))`` cancels for small ``x`` (``1e-8``
     gives ``-inf`` in float32) and loses ``exp(-x)`` for large ``x``. This
-    computes the derivative ``g = 1 / expm1(x)`` without cancellation (a
-    Taylor series of ``expm1`` below ``log 2``, ``e^-x / (1 - e^-x)`` above,
-    with ``1 - e^-x`` and ``exp``'s rounding error taken exactly, so that the
-    quotient is rounded once: within 1 ULP) and the value as ``-log1p(g)`` (``1 - e^-x = 1 / (1 + g)``; well
-    conditioned for every ``x > 0``). ``g`` is finite for every ``x > 0`` and
+    computes the derivative ``g = 1 / expm1(x)`` without cancellation (the
+    series of ``x / expm1(x)`` over ``x`` below ``log 2``, ``e^-x / (1 - e^-x)``
+    above, one division with the rounding of both parts and ``exp``'s error
+    applied after it: within 1.2 ULP) and the value as ``-log1p(g)``
+    (``1 - e^-x = 1 / (1 + g)``; well conditioned for every ``x > 0``). ``g`` is finite for every ``x > 0`` and
     ``+inf`` at 0.
 
     Examples:
