@@ -250,7 +250,7 @@ def _expm1_recip(x: jax.Array, lo: jax.Array | None) -> jax.Array:
     half = 0.5 * xs
     s1 = 1.0 - half
     z = xs * xs
-    tail = z * _horner(z, _BERN[:_terms(_BERN, _LN2, 2, _eps(dtype) / 4) or 1]) + ((one_of(s1) - s1) - half)
+    tail = z * _horner(z, _BERN[:_terms(_BERN, _LN2, 2, _eps(dtype) / 4)]) + ((one_of(s1) - s1) - half)
     n_hi = s1 + tail
     n_lo = tail - (n_hi - s1)  # Fast2Sum: |s1| >= |tail|
     bias = _EXP[dtype][4]
