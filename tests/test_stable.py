@@ -785,6 +785,22 @@ def test_kernels_match_across_fusions():
         np.testing.assert_array_equal(twice, alone, err_msg=name)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("name", sorted(UNARY))
+def test_gradient_compiles_to_one_loop(name, dtype):
+    """The compiled gradient is one XLA loop fusion. An expensive operation used twice (a division, an
+    exp) is computed once, in a fusion of its own, and everything it shares with the rest is then
+    computed again in each fusion: a division used twice once split sinc' into 16 fusions that each
+    computed sin(pi x) and cos(pi x) again (5.8x the naive formula's time; 1.7x as one loop)."""
+    fn = UNARY[name][0]
+    with jax.enable_x64(dtype == np.float64):
+        xs = jnp.linspace(0.01, 3.0, 1000, dtype=dtype)
+        text = jax.jit(jax.grad(lambda v: jnp.sum(fn(v)))).lower(xs).compile().as_text()
+    entry = text[text.index("ENTRY"):]
+    fusions = [line.split("=")[0].strip() for line in entry.splitlines() if " fusion(" in line]
+    assert len(fusions) == 1, (name, fusions)
+
+
 # --------------------------------------------------------------------------- layout and docs
 
 
