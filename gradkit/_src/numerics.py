@@ -554,7 +554,7 @@ def div_df(num: jax.Array, num_lo: jax.Array | float, den: jax.Array, den_lo: ja
     ds = jnp.where((ad < hi) & (ad > lo), den, 1.0)
     r = recip_approx(ds, 2 if fi.bits <= 32 else 3)
     y = num * r
-    ok = (ds == den) & (jnp.abs(y) < hi) & (jnp.abs(y) > lo)
+    ok = (ds == den) & (jnp.abs(y) < hi) & (jnp.abs(y) > lo)  # ds == den: den in range
     ys = jnp.where(ok, y, 0.0)
     yh, yl = _split(ys)
     dh, dl = _split(ds)
@@ -586,11 +586,11 @@ _RECIP_MAGIC = {np.dtype(np.float32): (np.int32, 0x7EF311C3), np.dtype(np.float6
 
 
 def recip_approx(s: jax.Array, steps: int = 1) -> jax.Array:
-    """``1/s`` for normal ``s`` of either sign without a division: a bit trick and Newton steps (0.3% after one).
+    """``1/s`` for normal ``s`` of either sign without a division: a bit trick and Newton steps.
 
-    For correction terms only: they are a few ULP at most, so 1.5% of them
-    is far below the final rounding, and a second division would cost
-    XLA:CPU as much as the whole correction.
+    Relative error 5% with none, then 0.3%, 7e-6, 4e-11 (the error squares):
+    one step for a correction of a few ULP, more for :func:`div_df`'s quotient,
+    whose exact residual then leaves only its last rounding.
     """
     itype, magic = _RECIP_MAGIC[np.dtype(s.dtype)]
     r = lax.bitcast_convert_type(itype(magic) - lax.bitcast_convert_type(s, itype), s.dtype)
