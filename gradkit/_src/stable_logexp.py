@@ -159,18 +159,27 @@ def log_sub_exp(x: ArrayLike, y: ArrayLike) -> Array:
 @jax.custom_jvp
 def _softplus_inverse(x):
     # log(e^x - 1) is 0 at x = log 2, where x + log(1 - e^-x) cancels; there (|d| < 1/4) use
-    # log1p(e^x - 2) = log1p(2 expm1(d)), d = x - log 2 exact enough; below, log(expm1(x)); above,
-    # x + log1p(-e^-x). Both expm1 are one Taylor series (|argument| < 0.45, no exp), one log1p
-    # serves the two upper ranges.
-    ln2_hi, ln2_lo = split_constant(_LN2_DIGITS, x.dtype)
+    # log1p(2 expm1(d)), d = x - log 2 exact enough; below, log(expm1(x)); above,
+    # x + log1p(-e^-x). Both expm1 are one Taylor series (|argument| < 0.45), e^-x is
+    # exp_parts' and both log1p are one log: log1p(u) = log(v) + (u - (v - 1)) / v with
+    # v = 1 + u rounded (v - 1 is exact). XLA's exp, log and log1p each cost, in a loop
+    # fusion, as much as all the rest.
+    dtype = np.dtype(x.dtype)
+    ln2_hi, ln2_lo = split_constant(_LN2_DIGITS, dtype)
     d = (x - ln2_hi) - ln2_lo * _k.one_of(jnp.abs(x) + 1.0)  # XLA would fold the two constants into one
     near = jnp.abs(d) < 0.25
     low = (x < ln2_hi) & ~near
     em = _k.expm1_series(jnp.where(near, d, jnp.where(low, x, 0.0)), 0.45)
-    e = jnp.exp(-jnp.where(near | low, 1.0, x))
-    log1p = jnp.log1p if x.dtype == np.float32 else _k.log1p  # XLA:CPU's is off by 127 ULP in float64
-    upper = jnp.where(near, 0.0, x) + log1p(jnp.where(near, 2.0 * em, -e))
-    return jnp.where(low, jnp.log(jnp.where(low, em, 1.0)), upper)
+    clamp = (np.finfo(dtype).maxexp - 2) * float(np.log(2.0))  # beyond, e^-x is below the smallest normal
+    k, m, c = _k.exp_parts(-jnp.where(near | low, 1.0, jnp.minimum(x, clamp)))
+    p2 = _k.pow2(k, dtype)
+    beyond = x >= clamp
+    u = jnp.where(near, 2.0 * em, jnp.where(beyond, 0.0, -(m * p2)))
+    u_lo = jnp.where(near | beyond, 0.0, -(c * p2))
+    v = jnp.where(low, em, 1.0 + u)
+    corr = jnp.where(low, 0.0, ((u - (v - _k.one_of(v + 2.0))) + u_lo) / jnp.where(low, 1.0, v))
+    lg = jnp.log(v) + corr
+    return jnp.where(near | low, lg, x + lg)  # a select last: XLA sums it in a loop, not in YNNPACK
 
 
 @_softplus_inverse.defjvp
