@@ -177,7 +177,7 @@ def _softplus_inverse(x):
     u = jnp.where(near, 2.0 * em, jnp.where(beyond, 0.0, -(m * p2)))
     u_lo = jnp.where(near | beyond, 0.0, -(c * p2))
     v = jnp.where(low, em, 1.0 + u)
-    corr = jnp.where(low, 0.0, ((u - (v - _k.one_of(v + 2.0))) + u_lo) / jnp.where(low, 1.0, v))
+    corr = jnp.where(low, 0.0, ((u - (v - _k.one_of(v + 2.0))) + u_lo) / v)  # a value only: no double where
     lg = jnp.log(v) + corr
     return jnp.where(near | low, lg, x + lg)  # a select last: XLA sums it in a loop, not in YNNPACK
 
