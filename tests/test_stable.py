@@ -160,12 +160,12 @@ def test_unary_jit_and_vmap_agree_with_eager(name):
     close(fn(xs), eager_v)
 
 
-# Where the formulas change branch or scheme: silu's root window (|x - r| = 1/4), log_cosh and
-# sinc's series cuts, log1mexp's log 2, the exp caps (80) and silu's scaled tail (-64), sinc next to
+# Where the formulas change branch or scheme: silu's root window (|x - r| = 1/16), log_cosh and
+# sinc's series cuts, log1mexp's log 2, the exp caps (80) and silu's scaled tail (-40), sinc next to
 # integers and half-integers (its cospi is sin(pi (1/2 - r))).
 BRANCH_POINTS = {
-    "silu": [-1.2784645, -1.2784646, -1.2784644, -1.0284646, -1.0284645, -1.5284646, -1.5284647, -1.53, -1.02,
-             -63.999996, -64.0, -64.00001, -87.0, -90.0, -103.0],
+    "silu": [-1.2784645, -1.2784646, -1.2784644, -1.2159646, -1.2159645, -1.3409646, -1.3409647, -1.0284646,
+             -1.5284647, -39.999996, -40.0, -40.000004, -63.999996, -64.0, -87.0, -90.0, -103.0],
     "log_cosh": [0.99999994, 1.0, 1.0000001, -0.99999994, -1.0, 0.62499994, 0.625, 1e-20, 30.0],
     "log1mexp": [0.6931471, 0.6931472, 0.69314724, 1e-30, 1e-3, 17.0, 40.0, 79.99999, 80.0, 80.00001, 87.0],
     "log1pexp": [79.99999, 80.0, 80.00001, 87.0, 88.72, 89.0, -80.0, -87.0, -90.0, -103.0],
@@ -558,7 +558,7 @@ _SILU_ROOT = mp.mpf("-1.27846454276107379510935873902298015543947748861974576545
 def _hard_spots(name, dtype):
     lg2 = math.log(2.0)
     spots = {
-        "silu": [_SILU_ROOT, _SILU_ROOT + 0.25, _SILU_ROOT - 0.25, -0.564135134, -11.6154, -18.9922, -12.1341333,
+        "silu": [_SILU_ROOT, _SILU_ROOT + 0.0625, _SILU_ROOT - 0.0625, _SILU_ROOT + 0.25, -0.564135134, -11.6154, -18.9922, -12.1341333,
                  -40.0, -75.0, -86.0, -87.3, -100.0, 2.4],
         "sigmoid": [-17.6676674, 2.69472289, 6.23502684, -16.2416, -28.7447, 87.0, -87.3],
         "log1pexp": [-16.9641876, -4.1459322, -2.76319, -1.95330524, -7.62419844, 79.99999, 80.0, -87.3, -103.0],

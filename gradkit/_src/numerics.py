@@ -196,10 +196,8 @@ _EXP = {
 def exp_parts(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(k, m, c)`` with ``exp(x) = 2^k (m + c)``: ``m`` in [0.7, 1.42], ``|c| <= ulp(m)``, error ≤ 0.21 ULP of ``m``.
 
-    ``2^k m`` is ``exp(x)`` within 0.62 ULP (XLA:CPU's own ``exp`` is off by
-    up to 1 ULP), and ``c`` is what a compensated formula adds. ``k`` is a
-    float; scale with :func:`pow2` (a normal ``2^k`` needs
-    ``x >= log(tiny)``).
+    ``2^k m`` is ``exp(x)`` within 0.62 ULP (XLA:CPU's ``exp``: 1 ULP); ``c`` is what a compensated
+    formula adds. ``k`` is a float; scale with :func:`pow2` (normal for ``x >= log(tiny)``).
     """
     c1, c2, _, _, _, tail = _EXP[np.dtype(x.dtype)]
     k = jnp.round(x * (1.0 / math.log(2.0)))
@@ -222,10 +220,8 @@ def pow2(k: jax.Array, dtype: np.dtype) -> jax.Array:
 def exp(x: jax.Array) -> jax.Array:
     """``exp(x)`` within 0.81 ULP (float64; XLA:CPU's is off by up to 1.36) or XLA's own (float32, 1 ULP).
 
-    Not a kernel (no derivative rule); for values that derivatives are built
-    from. In float32 the kernel's 0.62 ULP costs a little more than XLA's
-    ``exp`` and gains little where its error is damped; silu, where it is
-    not, calls :func:`exp_parts` itself.
+    Not a kernel (no derivative rule): for values that derivatives are built
+    from where ``exp``'s error is damped (silu, where it is not, calls :func:`exp_parts`).
     """
     if np.dtype(x.dtype) != np.float64:
         return jnp.exp(x)
@@ -469,9 +465,8 @@ def one_of(s: jax.Array) -> jax.Array:
 def sum_lo(b: jax.Array, s: jax.Array) -> jax.Array:
     """The rounding error of ``s = 1 + b``: ``(1 + b) - s``, exactly, for any ``b > -1``.
 
-    Dekker's Fast2Sum with the larger of the two addends first: ``b`` where
-    ``b >= 1``, else 1 (``|b| < 1``); ``max(b, 1)`` is no constant, so XLA
-    cannot fold ``s - 1`` into ``b``.
+    Dekker's Fast2Sum, the larger addend first (``max(b, 1)``: no constant,
+    so XLA cannot fold ``s - 1`` into ``b``).
     """
     big = jnp.maximum(b, 1.0)
     return jnp.minimum(b, 1.0) - (s - big)
@@ -529,23 +524,30 @@ def prod_lo(a: jax.Array, b: jax.Array, p: jax.Array) -> jax.Array:
     return ((ah * bh - p) + mid) + (mid_lo + al * bl)
 
 
-def square_one_plus(e: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(1 + e)^2 = S + S_lo`` for ``0 <= e <= 1``: ``s = fl(1 + e)`` squared exactly, plus ``2 s s_lo``."""
+def two_square(a: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``a^2 = p + lo`` exactly (:func:`two_prod` ``(a, a)``): ``a = h + l``, ``h^2 + 2 h l`` by Fast2Sum, ``+ l^2``."""
+    ah, al = _split(a)
+    hh = ah * ah
+    mid = 2.0 * (ah * al)
+    p = hh + mid
+    return p, ((hh - p) + mid) + al * al
+
+
+def square_one_plus(e: jax.Array, e_lo: jax.Array | float = 0.0) -> tuple[jax.Array, jax.Array]:
+    """``(1 + e + e_lo)^2 = S + S_lo``, ``0 <= e <= 1``: ``fl(1 + e)`` squared exactly, plus ``2 s (s_lo + e_lo)``."""
     s = 1.0 + e
-    big, lo = two_prod(s, s)
-    return big, lo + 2.0 * s * sum_lo(e, s)
+    big, lo = two_square(s)
+    return big, lo + 2.0 * s * (sum_lo(e, s) + e_lo)
 
 
 def div_df(num: jax.Array, num_lo: jax.Array | float, den: jax.Array, den_lo: jax.Array | float) -> jax.Array:
     """``(num + num_lo) / (den + den_lo)`` rounded once: ``y = num r`` plus its exact residual times ``r``.
 
-    ``r ≈ 1/den`` (7e-6 in float32, 4e-11 in float64: :func:`recip_approx`);
-    the residual ``(num + num_lo) - y (den + den_lo)`` comes from exact
-    partial products, so only the last addition rounds. No division: XLA
-    computes a division used twice once, in a fusion of its own, and then
-    everything it shares with the rest (the ``num`` and ``den`` of a long
-    kernel) again in each fusion. Where ``|y|`` or ``|den|`` is near overflow
-    or underflow (no exact product), ``num / den``: the low parts are below its last bit there.
+    ``r ≈ 1/den`` (:func:`recip_approx`, 7e-6 float32, 4e-11 float64); the
+    residual ``(num + num_lo) - y (den + den_lo)`` from exact partial products,
+    so only the last addition rounds. No division (XLA gives a division used
+    twice a fusion of its own, and recomputes what it shares in each). Near
+    overflow or underflow, ``num / den``: the low parts are below its last bit.
     """
     fi = jnp.finfo(den.dtype)
     hi = float(fi.max) / 2.0 ** (fi.nmant // 2 + 3)
@@ -589,8 +591,7 @@ def recip_approx(s: jax.Array, steps: int = 1) -> jax.Array:
     """``1/s`` for normal ``s`` of either sign without a division: a bit trick and Newton steps.
 
     Relative error 5% with none, then 0.3%, 7e-6, 4e-11 (the error squares):
-    one step for a correction of a few ULP, more for :func:`div_df`'s quotient,
-    whose exact residual then leaves only its last rounding.
+    one step for a correction, more for :func:`div_df`'s quotient.
     """
     itype, magic = _RECIP_MAGIC[np.dtype(s.dtype)]
     r = lax.bitcast_convert_type(itype(magic) - lax.bitcast_convert_type(s, itype), s.dtype)

@@ -36,8 +36,8 @@ def _hypot_jvp(primals, tangents):
     xs, ys = lax.optimization_barrier((jnp.where(ok, x, 1.0) / scale, jnp.where(ok, y, 1.0) / scale))
     # (x, y) / hypot: the squares and their sum exactly, the square root corrected by one Newton
     # step on that sum, each quotient rounded once (the rounded x^2 + y^2 and sqrt cost up to 2 ULP)
-    sq, sq_lo = _k.two_prod(xs, xs)
-    sq2, sq2_lo = _k.two_prod(ys, ys)
+    sq, sq_lo = _k.two_square(xs)
+    sq2, sq2_lo = _k.two_square(ys)
     big, big_lo = _k.two_sum(sq, sq2)
     big_lo = big_lo + (sq_lo + sq2_lo)
     hs = jnp.sqrt(big)

@@ -201,11 +201,11 @@ def _safe_pow_jvp(primals, tangents):
     p = jnp.power(x, ym1)
     dx = y * p
     # x^(y-1) can underflow where y x^(y-1) does not: take it as y h^2, h = x^((y-1)/2),
-    # h^2 exact (two_prod, on h 2^s to keep its low part normal) and scaled back at the end.
+    # h^2 exact (two_square, on h 2^s to keep its low part normal) and scaled back at the end.
     tiny = float(jnp.finfo(x.dtype).tiny)
     s = _pow_shift(x.dtype)
     half = jnp.power(x, 0.5 * ym1) * 2.0 ** s
-    sq, sq_lo = _k.two_prod(half, half)
+    sq, sq_lo = _k.two_square(half)
     low = jnp.abs(p) < tiny
     lowv = (y * sq + (y * sq_lo + (y * sq) * corr)) * 2.0 ** (-2 * s)
     dx = jnp.where(low, lowv, jnp.where(corr == 0, dx, dx + dx * corr))  # corr == 0: dx may be inf
@@ -213,7 +213,7 @@ def _safe_pow_jvp(primals, tangents):
     # x^y can overflow where x^y log x does not (|log x| < 1): take it as h^2 log x, h = x^(y/2),
     # h^2 exact on h 2^-s and scaled back at the end.
     half_y = jnp.power(x, 0.5 * y) * 2.0 ** -s
-    hq, hq_lo = _k.two_prod(half_y, half_y)
+    hq, hq_lo = _k.two_square(half_y)
     big = (hq * log_x + hq_lo * log_x) * 2.0 ** (2 * s)
     dy = jnp.where(jnp.isinf(out) & jnp.isfinite(x) & jnp.isfinite(y), big, out * log_x)
     dy = jnp.where(x0 & (y >= 0), 0.0, jnp.where(x0, -jnp.inf, dy))

@@ -87,7 +87,7 @@ def _sincospi_df(a: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Arr
     w = r2 - 0.5 * m
     t_hi, t_lo = _k.two_prod(w, jnp.full_like(w, pi_hi))
     t_lo = t_lo + w * pi_lo
-    tt, tt_lo = _k.two_prod(t_hi, t_hi)
+    tt, tt_lo = _k.two_square(t_hi)
     tt_lo = tt_lo + 2.0 * t_hi * t_lo
     eps = _k._eps(dtype)
     ns = _k._terms(_SIN_TAIL, (math.pi / 4) ** 2, 1, eps)
