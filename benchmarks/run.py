@@ -241,6 +241,49 @@ def row_stable(quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
+def row_stable_floor(quick: bool) -> list[dict[str, Any]]:
+    """The least a 2-ULP silu or softplus_inverse can cost on this backend, vs the naive formula.
+
+    Each floor keeps the naive value and makes only the part of the
+    derivative accurate that no 2-ULP derivative can do without: for silu,
+    ``exp`` from gradkit's kernel in the naive derivative (which stays off by
+    up to 1e7 ULP next to its zero); for softplus_inverse, gradkit's own
+    derivative. Where a floor is above 1.1, so is every 2-ULP version.
+    """
+    from gradkit._src import numerics as _k
+
+    n = 100_000 if quick else 1_000_000
+    x = jnp.linspace(-20.0, 20.0, n, dtype=jnp.float32)
+    pos = jnp.linspace(1e-3, 20.0, n, dtype=jnp.float32)
+
+    def with_slope(value: Callable[..., Any], slope: Callable[..., Any]) -> Callable[..., Any]:
+        f = jax.custom_jvp(value)
+        f.defjvp(lambda p, t: (f(p[0]), t[0] * slope(p[0])))
+        return f
+
+    def silu_slope(v: jax.Array) -> jax.Array:
+        k, m, c = _k.exp_parts(-jnp.minimum(jnp.abs(v), 80.0))
+        e = (m + c) * _k.pow2(k, v.dtype)
+        return jnp.where(v < 0, e * (1.0 + v + e), 1.0 + e * (1.0 + v)) / ((1.0 + e) * (1.0 + e))
+
+    def silu_naive(v: jax.Array) -> jax.Array:
+        return v / (1 + jnp.exp(-v))
+
+    def spi_naive(v: jax.Array) -> jax.Array:
+        return jnp.log(jnp.expm1(v))
+
+    cases = [("silu", with_slope(silu_naive, silu_slope), silu_naive, x),
+             ("softplus_inverse", with_slope(spi_naive, lambda v: -_k.expm1_recip(-v)), spi_naive, pos)]
+    rows = []
+    for name, floor_f, naive_f, inp in cases:
+        vg = {k: jax.jit(jax.value_and_grad(lambda v, f=f: jnp.sum(f(v))))
+              for k, f in (("floor", floor_f), ("naive", naive_f))}
+        t = interleaved({k: (lambda f=f, a=inp: f(a)) for k, f in vg.items()}, 5 if quick else 21, 3 if quick else 10)
+        rows.append(row(f"stable.{name} floor at 2 ULP, value_and_grad", "naive formula", t["floor"] / t["naive"],
+                        None))
+    return rows
+
+
 def _extra_rows() -> list[Callable[[bool], list[dict[str, Any]]]]:
     """Rows kept in their own modules (benchmarks/*.py), in the same format."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -252,7 +295,7 @@ def _extra_rows() -> list[Callable[[bool], list[dict[str, Any]]]]:
     return [*trace_cost.ROWS, bench_custom_gradient.rows, bench_guard.rows, bench_f32_backward.rows]
 
 
-ROWS = [row_elementwise, row_mlp, row_scan, row_vmapped, row_stable, row_table_size, row_eager_calls,
+ROWS = [row_elementwise, row_mlp, row_scan, row_vmapped, row_stable, row_stable_floor, row_table_size, row_eager_calls,
         *_extra_rows()]
 
 
