@@ -533,11 +533,11 @@ def two_square(a: jax.Array) -> tuple[jax.Array, jax.Array]:
     return p, ((hh - p) + mid) + al * al
 
 
-def square_one_plus(e: jax.Array, e_lo: jax.Array | float = 0.0) -> tuple[jax.Array, jax.Array]:
-    """``(1 + e + e_lo)^2 = S + S_lo``, ``0 <= e <= 1``: ``fl(1 + e)`` squared exactly, plus ``2 s (s_lo + e_lo)``."""
+def square_one_plus(e: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(1 + e)^2 = S + S_lo`` for ``0 <= e <= 1``: ``s = fl(1 + e)`` squared exactly, plus ``2 s s_lo``."""
     s = 1.0 + e
     big, lo = two_square(s)
-    return big, lo + 2.0 * s * (sum_lo(e, s) + e_lo)
+    return big, lo + 2.0 * s * sum_lo(e, s)
 
 
 def div_df(num: jax.Array, num_lo: jax.Array | float, den: jax.Array, den_lo: jax.Array | float) -> jax.Array:

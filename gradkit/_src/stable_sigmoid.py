@@ -199,9 +199,10 @@ def _silu_prime(x):
     # 0 * inf); within 1/16 of g's root, where g cancels, a polynomial around the root.
     x = jnp.clip(x, -1e4, 1e4)
     e, e_err, far = _silu_exp(x)
-    big, big_lo = _k.square_one_plus(e, e_err)
     s = 1.0 + e
-    s_lo = _k.sum_lo(e, s) + e_err
+    s_lo = _k.sum_lo(e, s) + e_err  # 1 + e + e_err = s + s_lo
+    big, big_lo = _k.two_square(s)
+    big_lo = big_lo + 2.0 * s * s_lo
     neg = x < 0
     xp1 = 1.0 + x
     g, g_lo = _k.two_sum(xp1, e)
