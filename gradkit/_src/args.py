@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
@@ -103,6 +103,21 @@ class Split:
                 tuple(None if i in dyn else static_key(x) for i, x in enumerate(self.statics)))
 
 
+def call_key(static: Hashable, dyn: Sequence[Any]) -> tuple[Any, ...]:
+    """The one cache key of a call: what a traced program depends on, and nothing else.
+
+    ``static`` is the call's structure and static values (:attr:`Split.key`,
+    plus a named op's keyword arguments); then the JAX config that changes
+    tracing (``compat.trace_context``: x64, promotion, the abstract mesh, the
+    axis environment, ...) and, per dynamic leaf, its whole abstract type
+    (``compat.type_key``: shape, dtype, weak type, sharding, varying manual
+    axes, memory space). The dispatcher, named ops and ``custom_gradient``
+    all key on it, so two calls share a program exactly when ``jax.jit``
+    would share a trace. Raises ``TypeError`` if a static value is unhashable.
+    """
+    return (static, compat.trace_context(), *map(compat.type_key, dyn))
+
+
 def partition(tree: Any, dynamic: Callable[[Any], bool] = is_array) -> tuple[Split, list[Any]]:
     """Splits ``tree`` into its :class:`Split` and its dynamic leaves (those where ``dynamic`` holds).
 
@@ -116,6 +131,12 @@ def partition(tree: Any, dynamic: Callable[[Any], bool] = is_array) -> tuple[Spl
       'mean'
     """
     leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return partition_leaves(leaves, treedef, dynamic)
+
+
+def partition_leaves(leaves: Sequence[Any], treedef: Any,
+                     dynamic: Callable[[Any], bool] = is_array) -> tuple[Split, list[Any]]:
+    """:func:`partition` of a pytree already flattened to ``leaves`` and ``treedef``."""
     dyn_pos = tuple(i for i, x in enumerate(leaves) if dynamic(x))
     dset = set(dyn_pos)
     statics = tuple(None if i in dset else x for i, x in enumerate(leaves))

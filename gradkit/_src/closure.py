@@ -110,7 +110,7 @@ def close_grad_fn(call: Call, grad_fn: Callable[..., Any], dyn: Sequence[Any], o
         it = iter(float_cts)
         return call.gradients(grad_fn, dyn, [next(it) if keep else None for keep in float_out], multi)
 
-    structs = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o, keep in zip(out, float_out) if keep]
+    structs = [compat.struct_like(o, weak_type=False) for o, keep in zip(out, float_out) if keep]
     return _close(flat, structs, float_out)
 
 
@@ -125,14 +125,14 @@ def close_jvp_fn(call: Call, jvp_fn: Callable[..., Any], dyn: Sequence[Any], out
         result = call.info.call_closure(jvp_fn, call.user_tangents(ts), "tangent")
         return call.tangents_out(result, outputs, out)
 
-    structs = [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x, keep in zip(dyn, float_in) if keep]
+    structs = [compat.struct_like(x, weak_type=False) for x, keep in zip(dyn, float_in) if keep]
     return _close(flat, structs, float_in)
 
 
 def transposed(closure: Closure, dyn: Sequence[Any], out: Sequence[Any], tangents: Sequence[Any]) -> list[Any]:
     """Output tangents ``J t`` from grad_fn (``v ↦ Jᵀ v``) by linear transposition."""
     float_out = closure.static.in_mask
-    structs = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o, keep in zip(out, float_out) if keep]
+    structs = [compat.struct_like(o, weak_type=False) for o, keep in zip(out, float_out) if keep]
     t_float: Sequence[Any] = ()
     if structs:
         t_in = tuple(as_tangent(t, x) for t, x, m in zip(tangents, dyn, closure.static.out_mask) if m)
@@ -153,7 +153,7 @@ def forward_problem(static: ClosureStatic, cap_structs: Sequence[Any], out: Sequ
     term, and reverse mode, derived from the transpose, would no longer be
     grad_fn); and JAX can transpose it.
     """
-    structs = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o, keep in zip(out, static.in_mask) if keep]
+    structs = [compat.struct_like(o, weak_type=False) for o, keep in zip(out, static.in_mask) if keep]
     if not structs:
         return None  # no float output: the JVP is zero
     problem = _affine_problem(static.fn, len(structs))

@@ -31,7 +31,6 @@ static: part of the cache key, free for Python control flow, no gradient.
 from __future__ import annotations
 
 import functools
-import threading
 import types
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar, overload
@@ -42,6 +41,7 @@ import jax.numpy as jnp
 from gradkit._src import args as args_lib
 from gradkit._src import closure as cl
 from gradkit._src import compat, named
+from gradkit._src.cache import LRU
 from gradkit._src.derivative import Plan
 from gradkit._src.errors import GradkitError
 from gradkit._src.rule import OpView, Rule
@@ -55,7 +55,7 @@ Mode = Literal["both", "vjp"]
 
 
 class _Entry:
-    """One signature's compiled op, and the plan of its latest trace (for the forward-mode error)."""
+    """One call key's compiled op, and the plan its trace made (for the forward-mode error)."""
 
     def __init__(self, sig: named.Signature, call: Call) -> None:
         self.sig = sig
@@ -76,8 +76,7 @@ class _Decorated:
         functools.update_wrapper(self, info.fn)
         self._info = info
         self._mode = mode
-        self._cache: dict[Any, _Entry] = {}
-        self._lock = threading.Lock()
+        self._cache: LRU[Any, _Entry] = LRU(f"{info.decorator}({info.name})")
         self.gradkit_op_name = info.name
         pos, _ = info.params
         if pos and pos[0] == "self":
@@ -109,7 +108,9 @@ class _Decorated:
             raise GradkitError(f"{info.where} is a method: call it on an instance, `obj.{info.name}(...)`.")
         sig, dyn = named.Signature.of(info.name, args, kwargs, dynamic=is_array)
         try:
-            key = sig.key
+            # Static values and the arrays' whole types: one entry (plan, output
+            # structure) per trace of its jit, never shared between traces.
+            key = args_lib.call_key(sig.key, dyn)
         except TypeError as e:
             what = ("`self` is keyed by its hash, so make the class hashable or a pytree (register it with "
                     "jax.tree_util)" if bound and _unhashable(args[0]) else
@@ -119,9 +120,8 @@ class _Decorated:
                 f"arguments are static and must be hashable: {what}.") from None
         entry = self._cache.get(key)
         if entry is None:
-            entry = self._new_entry(sig, bound)
-            with self._lock:
-                entry = self._cache.setdefault(key, entry)
+            entry = self._cache.setdefault(key, self._new_entry(sig, bound))
+        named.pin(entry.sig)
         try:
             flat = entry.jitted(*dyn)
         except TypeError as e:

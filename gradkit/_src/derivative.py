@@ -32,7 +32,7 @@ SymbolicZero = jax.custom_derivatives.SymbolicZero
 
 
 def _struct(x: Any) -> jax.ShapeDtypeStruct:
-    return compat.struct_of(compat.aval_of(x))
+    return compat.struct_like(x)
 
 
 def _strip_tracebacks(e: BaseException) -> BaseException:
@@ -87,7 +87,7 @@ class Plan:
                 converted = cl.close_jvp_fn(call, closure, d, outputs, out)
             else:
                 converted = cl.close_grad_fn(call, closure, d, outputs, out, is_multi(outputs))
-            box.append((converted.static, [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in out]))
+            box.append((converted.static, [compat.struct_like(o, weak_type=False) for o in out]))
             return converted.captured
 
         res_fn: cl.JaxprFn | None = None

@@ -13,19 +13,20 @@ functions are named ops too and use the same class.
 
 from __future__ import annotations
 
-import collections
+import contextlib
 import dataclasses
 import functools
 import itertools
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import jax
 
 from gradkit._src import args as args_lib
 from gradkit._src import compat
+from gradkit._src.cache import LRU
 from gradkit._src.errors import GradkitError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -79,17 +80,33 @@ class Signature:
         return [per_leaf[i] for i in self.split.dyn_pos]
 
 
-# jit name -> signature. Weak: an entry lives while its decorated function
-# (whose per-signature cache holds it) or a traced program (custom_gradient's
-# rules hold theirs) does, so functions decorated on the fly do not pile up.
-# The last 128 also stay alive here, for a function decorated inside
-# a traced function and dropped before the dispatcher reads the program.
+# jit name -> signature, for the dispatcher to read a named op's equation.
+# Who keeps a signature alive: the decorated function's per-signature cache
+# (an LRU), the last MAXSIZE registered (so a function decorated inside a
+# traced function and dropped at once is still found when a cached trace of
+# an enclosing jax.jit is read later), and, for as long as an overridden
+# function's program lives, that program (pinned while it is traced, see
+# `pinning`). A signature found by none of them is an error
+# (`require`), never a silent fallback.
 _REGISTRY: weakref.WeakValueDictionary[str, Signature] = weakref.WeakValueDictionary()
-_RECENT: collections.deque[Signature] = collections.deque(maxlen=128)
+_RECENT: LRU[str, Signature] = LRU("named op signatures")
+_pins = threading.local()
 
 
 def lookup(jit_name: str) -> Signature | None:
     return _REGISTRY.get(jit_name)
+
+
+def require(jit_name: str, where: str) -> Signature:
+    """The signature of a named op's ``jit`` equation; a ``[gradkit]`` error if it is gone."""
+    sig = _REGISTRY.get(jit_name)
+    if sig is None:
+        raise GradkitError(
+            f"named op '{jit_name.split(':', 2)[-1]}' at {where}: its call signature is no longer known (the "
+            "op was decorated inside a function that was traced earlier and the decorated function is gone), "
+            "so its rule cannot see its inputs. Decorate the op once, at module level, and call that "
+            "function, or clear the cached traces first with jax.clear_caches().")
+    return sig
 
 
 def register(sig: Signature) -> None:
@@ -97,7 +114,34 @@ def register(sig: Signature) -> None:
     with _lock:
         sig.jit_name = f"{compat.NAMED_OP_PREFIX}{next(_counter)}:{sig.name}"
         _REGISTRY[sig.jit_name] = sig
-        _RECENT.append(sig)
+    _RECENT.setdefault(sig.jit_name, sig)
+
+
+@contextlib.contextmanager
+def pinning() -> Iterator[dict[str, Signature]]:
+    """Collects (strongly) every named op signature called in this thread while the block runs.
+
+    The dispatcher traces a user's function inside it and keeps the result
+    with the program, so every named op of the program stays readable
+    however many there are.
+    """
+    stack = getattr(_pins, "stack", None)
+    if stack is None:
+        stack = _pins.stack = []
+    pinned: dict[str, Signature] = {}
+    stack.append(pinned)
+    try:
+        yield pinned
+    finally:
+        stack.pop()
+
+
+def pin(sig: Signature) -> None:
+    """Records ``sig`` in every :func:`pinning` block open in this thread (cheap when none is)."""
+    stack = getattr(_pins, "stack", None)
+    if stack:
+        for pinned in stack:
+            pinned[sig.jit_name] = sig
 
 
 def compile_op(sig: Signature, body: Callable[[list[Any]], Any]) -> Callable[..., list[Any]]:
@@ -140,7 +184,10 @@ def op(name: str) -> Callable[[F], F]:
     def decorate(fn: F) -> F:
         if not callable(fn):
             raise GradkitError(f"gk.op({name!r}) decorates a function, got {type(fn).__name__}.")
-        jitted: dict[Any, tuple[Signature, Callable[..., Any]]] = {}
+        # One signature (and jit name) per call key: static values, and the
+        # dynamic leaves' whole types, so a trace's output structure belongs
+        # to exactly the calls that share that trace.
+        jitted: LRU[Any, tuple[Signature, Callable[..., Any]]] = LRU(f"gk.op({name!r})")
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -151,24 +198,21 @@ def op(name: str) -> Callable[[F], F]:
                         f"named op are static. Pass arrays positionally: {name}(..., {k}).")
             sig, dyn = Signature.of(name, args, kwargs)
             try:
-                key = sig.key
+                key = args_lib.call_key(sig.key, dyn)
             except TypeError as e:
                 raise GradkitError(
                     f"named op '{name}' got an unhashable static argument ({e}). Non-array arguments are "
                     "static and must be hashable: use a tuple instead of a list, or pass an array.") from None
             entry = jitted.get(key)
             if entry is None:
-                with _lock:
-                    entry = jitted.get(key)
-                if entry is None:
-                    register(sig)
-                    def call(d: Sequence[Any], sig: Any = sig) -> Any:
-                        return fn(*sig.args(d), **sig.kwargs)
+                register(sig)
 
-                    entry = (sig, compile_op(sig, call))
-                    with _lock:
-                        entry = jitted.setdefault(key, entry)
+                def call(d: Sequence[Any], sig: Any = sig) -> Any:
+                    return fn(*sig.args(d), **sig.kwargs)
+
+                entry = jitted.setdefault(key, (sig, compile_op(sig, call)))
             sig, call = entry
+            pin(sig)
             try:
                 flat_out = call(*dyn)
             except compat.CONCRETIZATION_ERRORS as e:

@@ -12,6 +12,7 @@ Everything else in the program is shared, not re-traced
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Sequence
 from typing import Any, NamedTuple, cast
@@ -20,6 +21,7 @@ import jax
 import numpy as np
 
 from gradkit._src import compat, named, validate
+from gradkit._src.cache import LRU
 from gradkit._src.compat import JaxprEqn
 from gradkit._src.errors import GradkitError
 from gradkit._src.rule import OpView, Rule, freeze_params
@@ -68,10 +70,13 @@ class Replacements:
     """Replacement equations by signature; shared by every trace of one overridden function."""
 
     def __init__(self) -> None:
-        self._cache: dict[Any, JaxprEqn] = {}
+        self._cache: LRU[Any, JaxprEqn] = LRU("rule replacements")
         self._lock = threading.Lock()
         self.traced = 0
         self.reused = 0
+
+    def clear(self) -> None:
+        self._cache.cache_clear()
 
     def splice(self, rule: Rule, name: str, eqn: JaxprEqn) -> JaxprEqn:
         """The equation that replaces ``eqn`` (same variables) and carries ``rule``."""
@@ -87,8 +92,8 @@ class Replacements:
             template = _replacement(rule, name, eqn, dyn)
             with self._lock:
                 self.traced += 1
-                if key is not None:
-                    self._cache.setdefault(key, template)
+            if key is not None:
+                self._cache.setdefault(key, template)
         else:
             with self._lock:
                 self.reused += 1
@@ -96,14 +101,68 @@ class Replacements:
                                 source_info=eqn.source_info, ctx=eqn.ctx)
 
 
+def _traced_captures(fn: Any) -> list[str]:
+    """Names of the values ``fn`` closes over (cells, defaults, ``partial`` arguments) that hold a tracer."""
+    found: list[str] = []
+    seen: set[int] = set()
+
+    def visit(f: Any, depth: int) -> None:
+        if depth > 3 or id(f) in seen:
+            return
+        seen.add(id(f))
+        if isinstance(f, functools.partial):
+            for i, v in enumerate((*f.args, *f.keywords.values())):
+                check(f"argument {i} of functools.partial({getattr(f.func, '__name__', f.func)!r})", v, depth)
+            visit(f.func, depth + 1)
+            return
+        code = getattr(f, "__code__", None)
+        for var, cell in zip(getattr(code, "co_freevars", ()), getattr(f, "__closure__", None) or ()):
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            check(f"`{var}`", value, depth)
+        for i, v in enumerate(getattr(f, "__defaults__", None) or ()):
+            check(f"default argument {i}", v, depth)
+
+    def check(label: str, value: Any, depth: int) -> None:
+        if callable(value) and not isinstance(value, compat.Tracer):
+            visit(value, depth + 1)
+            return
+        try:
+            leaves = jax.tree_util.tree_leaves(value)
+        except Exception:  # not a pytree JAX can flatten: not a traced value
+            return
+        if any(isinstance(x, compat.Tracer) for x in leaves):
+            found.append(label)
+
+    visit(fn, 0)
+    return found
+
+
+def _closure_error(rule: Rule, name: str, eqn: JaxprEqn, what: str) -> GradkitError:
+    return GradkitError(
+        f"rule {rule.name} for op '{name}' at {compat.source_line(eqn)} closes over a traced value ({what}): "
+        "a value computed inside a jax.jit / grad / vmap trace, such as a scale computed in the training step. "
+        "A table rule is compiled apart from that trace, so it cannot read it. Pass the value in instead: "
+        "make it an input of the op (wrap the computation in gk.op(name) with the value as a positional "
+        "argument and read op.inputs[i] in the rule), or write the function with gk.custom_gradient, "
+        "whose grad_fn may close over traced values; a constant (Python or NumPy number) may be closed over.")
+
+
 def _replacement(rule: Rule, name: str, eqn: JaxprEqn, dyn: list[int]) -> JaxprEqn:
     avals = [eqn.invars[i].aval for i in dyn]
+    captured = _traced_captures(rule.fn)
+    if captured:
+        raise _closure_error(rule, name, eqn, ", ".join(captured))
 
     def fn(*xs: Any) -> list[Any]:
         return apply_rule(rule, eqn, name, xs)
 
     with compat.source_of(eqn), eqn.ctx.manager:
         closed = compat.trace_avals(fn, avals, compat.rule_wrapper_name(name))
+        if any(isinstance(c, compat.Tracer) for c in compat.jaxpr_parts(closed)[1]):
+            raise _closure_error(rule, name, eqn, "reached through another function or object")
         single = compat.single_equation(closed)
         if single is None:  # more than one equation (or consts): wrap them in one jit equation
             single = compat.single_equation(compat.trace_avals(jax.jit(fn), avals, compat.rule_wrapper_name(name)))
@@ -172,7 +231,8 @@ def apply_rule(rule: Rule, eqn: JaxprEqn, name: str, dyn_inputs: Sequence[Any]) 
     # custom_jvp's rule with the program), so they hold no tracer.
     dyn_pos = [i for i, a in enumerate(eqn.invars) if not compat.is_literal(a)]
     # Resolved once, here: the closures below keep the named op's signature alive.
-    inst = named.lookup(eqn.params.get("name", "")) if compat.is_jit(eqn) else None
+    jit_name = eqn.params.get("name", "") if compat.is_jit(eqn) else ""
+    inst = named.require(jit_name, compat.source_line(eqn)) if jit_name.startswith(compat.NAMED_OP_PREFIX) else None
     literals = [cast(Any, a).val if compat.is_literal(a) else None for a in eqn.invars]
 
     def full(dyn: Sequence[Any]) -> list[Any]:

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 from jax._src import api_util as _api_util
+from jax._src import array as _array
 from jax._src import config as _jax_config
 from jax._src import linear_util as _lu
 from jax._src import shard_map as _shard_map
+from jax._src import util as _jax_util
 from jax._src.config import trace_context as _jax_trace_context
 from jax._src.interpreters import partial_eval as _pe
 from jax.extend import core as jex_core
@@ -26,7 +29,9 @@ Literal = jex_core.Literal
 Primitive = jex_core.Primitive
 JaxprEqn = jex_core.JaxprEqn
 Tracer = jax.core.Tracer
-ArrayImpl: type = type(jax.numpy.zeros(()))  # a concrete jax.Array (never a tracer)
+# A concrete jax.Array (never a tracer). Named, not made: building an array at
+# import would initialize JAX's backend before the user's jax.config.update.
+ArrayImpl: type = _array.ArrayImpl
 
 JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
 
@@ -44,9 +49,33 @@ NAMED_OP_PREFIX = "gk:"
 # --------------------------------------------------------------------------- tracing
 
 
-def struct_of(aval: Any) -> jax.ShapeDtypeStruct:
-    """A ShapeDtypeStruct with an aval's shape, dtype and weak type."""
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
+_STRUCT_PARAMS = frozenset(inspect.signature(jax.ShapeDtypeStruct.__init__).parameters)
+
+
+def struct_of(aval: Any, weak_type: bool | None = None) -> jax.ShapeDtypeStruct:
+    """A ShapeDtypeStruct with an aval's whole type: shape, dtype, weak type, sharding, varying manual axes.
+
+    Tracing at it (``make_jaxpr``, ``linear_transpose``, ``eval_shape``) gives
+    values of the same type as the aval's: on an Explicit mesh or inside
+    ``shard_map`` a struct of shape and dtype only would not fit where the
+    aval's value goes. ``weak_type`` overrides the aval's weak type. (The
+    varying axes are ``vma`` up to jax 0.11, ``manual_axis_type`` from 0.12.)
+    """
+    weak = getattr(aval, "weak_type", False) if weak_type is None else weak_type
+    kw: dict[str, Any] = {}
+    sharding = getattr(aval, "sharding", None)
+    if sharding is not None:
+        kw["sharding"] = sharding
+    if "manual_axis_type" in _STRUCT_PARAMS and getattr(aval, "mat", None) is not None:
+        kw["manual_axis_type"] = aval.mat
+    elif "vma" in _STRUCT_PARAMS and getattr(aval, "vma", None):
+        kw["vma"] = aval.vma
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=weak, **kw)
+
+
+def struct_like(x: Any, weak_type: bool | None = None) -> jax.ShapeDtypeStruct:
+    """:func:`struct_of` the type of an array or tracer ``x``."""
+    return struct_of(jax.typeof(x), weak_type)
 
 
 def trace(fn: Callable[..., Any], in_structs: Sequence[jax.ShapeDtypeStruct]) -> ClosedJaxpr:
@@ -62,7 +91,11 @@ def trace_jit(fn: Callable[..., Any], args: Sequence[Any]) -> ClosedJaxpr:
     ``fn`` closes over from an enclosing trace become consts of the outer
     jaxpr and extra inputs of the equation.
     """
-    return jax.make_jaxpr(jax.jit(fn))(*args)
+    # Under jax.disable_jit() a jit would trace fn inline (no equation to
+    # splice into): gradkit's one trace keeps jit on; the program then runs
+    # as disable_jit runs a bound jit equation.
+    with jax.disable_jit(False):
+        return jax.make_jaxpr(jax.jit(fn))(*args)
 
 
 def trace_avals(fn: Callable[..., Sequence[Any]], avals: Sequence[Any], name: str = "gradkit") -> ClosedJaxpr:
@@ -302,15 +335,30 @@ def aval_of(x: Any) -> Any:
     return jax.typeof(x)
 
 
-def aval_key(x: Any) -> tuple[Any, ...]:
-    """``(shape, dtype, weak_type)`` of an array or tracer, cheaply (on every overridden call)."""
+def type_key(x: Any) -> Any:
+    """The whole abstract type of an array argument, as ``jax.jit``'s trace cache keys it.
+
+    ``jax.typeof``: shape, dtype, weak type, sharding (Explicit mesh axes),
+    ``shard_map``'s varying manual axes, memory space — every field JAX adds
+    to the array type later is in it too. A NumPy array has shape and dtype
+    only (it is never weakly typed, sharded or varying).
+    """
     if isinstance(x, (np.ndarray, np.generic)):
-        return (x.shape, x.dtype, False)
-    weak = getattr(x, "weak_type", None)  # concrete jax.Array
-    if weak is None:
-        aval = aval_of(x)
-        return (tuple(aval.shape), aval.dtype, getattr(aval, "weak_type", False))
-    return (x.shape, x.dtype, weak)
+        return (x.shape, x.dtype)
+    return jax.typeof(x)
+
+
+def register_cache(cache: Any, for_what: str) -> bool:
+    """Registers ``cache`` (``cache_clear``/``cache_info``/``cache_keys``) so ``jax.clear_caches()`` clears it.
+
+    JAX's registry for its own caches (``jax._src.util.register_cache``); it
+    holds the cache weakly. ``False`` where a JAX version has no such hook.
+    """
+    hook = getattr(_jax_util, "register_cache", None)
+    if hook is None:  # pragma: no cover - every supported JAX has it (checked on 0.8.0 and 0.12)
+        return False
+    hook(cache, for_what)
+    return True
 
 
 def is_weakly_typed(x: Any) -> bool:
