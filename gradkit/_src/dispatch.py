@@ -24,14 +24,15 @@ import dataclasses
 import functools
 import inspect
 import threading
+import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar, overload
 
 import jax
-import numpy as np
 
 from gradkit._src import args as _args
-from gradkit._src import compat, walk
+from gradkit._src import compat, named, nnx_state, walk
+from gradkit._src.cache import LRU
 from gradkit._src.errors import GradkitError, near_misses
 from gradkit._src.rule import Rule
 from gradkit._src.splice import CacheInfo, Replacements, Splicer, op_name
@@ -50,6 +51,9 @@ class _Entry:
     body: Any  # the rewritten program (the jit equation's body)
     out_tree: Any
     matched: Mapping[str, str]  # op name -> source line of its first match
+    # The named ops the program calls, held for as long as the program is:
+    # their rules read their signatures when it is differentiated.
+    named_ops: Mapping[str, named.Signature] = dataclasses.field(default_factory=dict)
 
     def user_custom_vjp(self) -> bool:
         """Whether the program has custom_vjp functions of its own (not gradkit's rules)."""
@@ -65,10 +69,7 @@ class _Entry:
 
 
 _ARRAY = compat.ArrayImpl
-
-
-def _is_array(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic, compat.Tracer))
+_is_array = _args.is_array
 
 
 class Overridden:
@@ -81,7 +82,7 @@ class Overridden:
         self._fn = fn
         self._table = table
         self._strict = strict
-        self._cache: dict[Any, _Entry] = {}
+        self._cache: LRU[Any, _Entry] = LRU(f"override({_fname(fn)})")
         self._lock = threading.Lock()
         self._replacements = Replacements()
         self.trace_count = 0
@@ -113,7 +114,43 @@ class Overridden:
         r = self._replacements
         return CacheInfo(self.trace_count, r.traced, r.reused)
 
+    def clear_cache(self) -> None:
+        """Drops every traced program and rule replacement of this function (``jax.clear_caches()`` does too).
+
+        The caches are bounded (the 2048 most recently used signatures, JAX's
+        own bound); this frees them now, e.g. after a sweep over many shapes.
+
+        Examples:
+          >>> import jax.numpy as jnp, gradkit as gk
+          >>> f = gk.override(jnp.sqrt, gk.tables.SAFE)
+          >>> _ = f(jnp.float32(4.0))
+          >>> f.clear_cache()
+          >>> f.cache_size()
+          0
+        """
+        self._cache.cache_clear()
+        self._replacements.clear()
+        self._eager.clear_cache()  # type: ignore[attr-defined]  # jax.jit objects have it; the stub omits it
+        nnx_route = getattr(self, "_gradkit_nnx", None)  # the NNX state route (nnx_state.call), if used
+        if nnx_route is not None:
+            nnx_route._inner.clear_cache()
+
+    def cache_size(self) -> int:
+        """How many input signatures have a traced program in the cache now (at most 2048)."""
+        return len(self._cache)
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        """As a method: ``@gk.override(table)`` in a class body binds ``self`` like a plain function.
+
+        ``self`` is an argument like any other: a pytree (an ``eqx.Module``,
+        a registered dataclass) contributes its arrays, any other object is
+        static (keyed by its hash), as under ``jax.jit(f)(obj, ...)``.
+        """
+        return self if instance is None else types.MethodType(self, instance)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if nnx_state.has_graph_nodes(args, kwargs):  # Flax NNX modules: their state changes are kept, as nnx.jit
+            return nnx_state.call(self, args, kwargs)
         if args and not kwargs:  # the common eager call: concrete arrays, no pytree to flatten
             for a in args:
                 if type(a) is not _ARRAY:
@@ -128,37 +165,16 @@ class Overridden:
         return self._call(leaves, treedef)
 
     def _call(self, leaves: list[Any], treedef: Any) -> Any:
-        # The hot path of every call under a trace: one pass over the leaves builds the key.
-        dyn_pos_l: list[int] = []
-        dyn: list[Any] = []
-        statics_l: list[Any] = []
-        parts: list[Any] = [treedef, compat.trace_context()]
-        try:
-            for i, x in enumerate(leaves):
-                if _is_array(x):
-                    dyn_pos_l.append(i)
-                    dyn.append(x)
-                    statics_l.append(None)
-                    parts.append(compat.aval_key(x))
-                else:
-                    statics_l.append(x)
-                    parts.append(_args.static_key(x))
-        except TypeError:
-            bad = next(x for x in leaves if not _is_array(x) and not _hashable(x))
-            raise GradkitError(
-                f"override({_fname(self._fn)}): argument value of type {type(bad).__name__} is not an array "
-                "and not hashable. Non-array arguments are static (part of the cache key), so they must be "
-                "hashable: pass arrays as jax/numpy arrays, and containers as tuples or dicts.") from None
-        split = _args.Split(treedef, tuple(dyn_pos_l), tuple(statics_l))
-        key = tuple(parts)
+        # The hot path of every call under a trace: one key (args.call_key) per call.
+        split, dyn = _args.partition_leaves(leaves, treedef, _is_array)
+        key = self._key(split, dyn)
         entry = self._cache.get(key)
         cacheable = True
         if entry is None:
             entry = self._build(split, dyn, count=True)
             cacheable = not any(isinstance(c, compat.Tracer) for c in compat.jaxpr_parts(entry.outer)[1])
             if cacheable:  # else fn closes over an enclosing trace's values: used for this call only
-                with self._lock:
-                    entry = self._cache.setdefault(key, entry)
+                entry = self._cache.setdefault(key, entry)
         # Under an enclosing trace (jit, grad, vmap, ...) the one equation joins
         # it; an eager call runs it compiled.
         traced = any(isinstance(x, compat.Tracer) for x in dyn)
@@ -168,6 +184,16 @@ class Overridden:
             self._explain_forward_mode(entry, e)
             raise
         return jax.tree_util.tree_unflatten(entry.out_tree, out)
+
+    def _key(self, split: _args.Split, dyn: Sequence[Any]) -> Any:
+        try:
+            return _args.call_key(split.key, dyn)
+        except TypeError:
+            bad = next((x for x in split.statics if x is not None and not _hashable(x)), None)
+            raise GradkitError(
+                f"override({_fname(self._fn)}): argument value of type {type(bad).__name__} is not an array "
+                "and not hashable. Non-array arguments are static (part of the cache key), so they must be "
+                "hashable: pass arrays as jax/numpy arrays, and containers as tuples or dicts.") from None
 
     def _explain_forward_mode(self, entry: _Entry, e: TypeError) -> None:
         """Forward mode reached a VJP rule: say which ops; JAX's own error keeps its type otherwise."""
@@ -203,7 +229,8 @@ class Overridden:
         """Traces ``fn`` for this signature and splices the table's rules into its program."""
         out_box: list[Any] = [None]
         try:
-            outer = compat.trace_jit(self._flat_fn(split, out_box, count), dyn)
+            with named.pinning() as named_ops:
+                outer = compat.trace_jit(self._flat_fn(split, out_box, count), dyn)
         except compat.CONCRETIZATION_ERRORS as e:
             # JAX's error type is kept (code catching it keeps working); the note
             # says why a function that runs eagerly fails under override.
@@ -223,7 +250,7 @@ class Overridden:
         new_body = walk.Rewrite(splicer)(body)
         if new_body is not body:
             outer = compat.replace_eqns(outer, [call.replace(params={**call.params, "jaxpr": new_body})])
-        return _Entry(outer, new_body, out_box[0], dict(splicer.matched))
+        return _Entry(outer, new_body, out_box[0], dict(splicer.matched), named_ops)
 
     def rewritten_jaxpr(self, *args: Any, **kwargs: Any) -> Any:
         """The program a call with these arguments runs, after the rewrite (for inspection).
@@ -238,11 +265,8 @@ class Overridden:
           >>> "custom_vjp_call" in str(f.rewritten_jaxpr(jnp.float32(1.0)))
           True
         """
-        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
         split, dyn = _args.partition((args, kwargs), _is_array)
-        key = (treedef, compat.trace_context(), *[
-            compat.aval_key(x) if _is_array(x) else _args.static_key(x) for x in leaves])
-        entry = self._cache.get(key) or self._build(split, dyn, count=False)
+        entry = self._cache.get(self._key(split, dyn)) or self._build(split, dyn, count=False)
         return entry.body
 
     def __repr__(self) -> str:
