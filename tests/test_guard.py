@@ -1,5 +1,9 @@
 """gk.guard: bit-for-bit value_and_grad while finite; an audit of exactly the bad call otherwise."""
 
+import gc
+import time
+import weakref
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -156,7 +160,8 @@ def test_skip_mode_zeros_the_gradient_and_training_goes_on(maybe_jit):
     assert float(trace[1][2]) == pytest.approx(float(log_loss(trace[1][0], xs[1])))  # the loss is unchanged
     (r,) = g.reports
     assert r.audit.findings[0].op == "log" and not r.audit.finite
-    np.testing.assert_array_equal(r.args[1], np.array([1.0, 0.0, 2.0]))  # exactly that call's inputs
+    # audited at exactly that call's inputs: x[1] == 0
+    assert r.audit.inputs == ("w: f32[3]", "x: f32[3]") and str(r.audit.findings[0].root.elements[0]) == "[1]: x = 0"
 
 
 def test_report_mode_returns_values_unchanged(maybe_jit):
@@ -195,6 +200,136 @@ def test_nonfinite_loss_alone_is_caught(maybe_jit):
     assert r.loss == "-inf" and r.audit.finite
 
 
+# --------------------------------------------------------------------------- bounded: a cap, a report per birth place
+
+
+@pytest.fixture
+def audits(monkeypatch):
+    """Weak references to the host copies each audit ran from, one list per audit."""
+    runs = []
+    original = guard_mod.Guard._audit
+
+    def spied(self, call, index, loss, split, dyn, note=""):
+        runs.append([weakref.ref(x) for x in dyn if isinstance(x, np.ndarray)])
+        return original(self, call, index, loss, split, dyn, note)
+
+    monkeypatch.setattr(guard_mod.Guard, "_audit", spied)
+    return runs
+
+
+def two_nans(w, x, y):
+    """NaN gradient born at `log` where x == 0, at `sqrt` where y == 0."""
+    return jnp.sum(jnp.where(w * x > 0, jnp.log(w * x), 0.0)) + jnp.sum(jnp.sqrt(w * y))
+
+
+@pytest.mark.parametrize("mode", ["skip", "report"])
+def test_the_cap_audits_the_first_bad_calls_and_counts_the_rest(maybe_jit, mode, audits):
+    g = gk.guard(log_loss, on_nonfinite=mode, max_reports=2)
+    step = maybe_jit(g)
+    for k in range(8):
+        x = jnp.array([1.0, 0.0, 2.0]) if k % 2 else jnp.ones(3)  # 4 finite, 4 bad
+        jax.block_until_ready(step(jnp.ones(3), x))
+    (r,) = g.reports  # both audits found `log`: one report, one repeat
+    assert len(audits) == 2 and g.bad_calls == 4
+    assert r.repeats == 1 and r.audit.findings[0].op == "log"
+    assert "repeats: 1 later audit(s)" in str(r)
+
+
+def test_raise_mode_past_the_cap_raises_without_an_audit(maybe_jit, audits):
+    g = gk.guard(log_loss, max_reports=1)
+    step = maybe_jit(g)
+    texts = []
+    for _ in range(3):
+        with pytest.raises(g.step_errors) as info:
+            jax.block_until_ready(step(jnp.ones(3), jnp.array([1.0, 0.0, 2.0])))
+        texts.append(str(info.value))
+    assert len(audits) == 1 and g.bad_calls == 3 and len(g.reports) == 1
+    assert "born at" in texts[0] and "Not audited" not in texts[0]
+    for n, text in zip((2, 3), texts[1:]):
+        assert "[gradkit] guard(log_loss): non-finite loss or gradient at " in text and "loss = " in text
+        assert f"Not audited: this guard audits its first max_reports=1 bad call(s) (read guard.reports); " \
+               f"this is bad call {n}." in text
+        assert "born at" not in text
+    if not isinstance(step, gk.Guard):
+        return
+    assert isinstance(info.value, gk.NonFiniteGradientError) and info.value.reports == ()
+
+
+def test_max_reports_zero_only_counts(audits):
+    g = gk.guard(log_loss, on_nonfinite="skip", max_reports=0)
+    step = jax.jit(g)
+    for _ in range(3):
+        _, grad = step(jnp.ones(3), jnp.array([1.0, 0.0, 2.0]))
+        np.testing.assert_array_equal(grad, 0.0)  # still skipped
+    assert g.bad_calls == 3 and g.reports == [] and audits == []
+
+
+def test_distinct_findings_get_their_own_report(maybe_jit, audits):
+    g = gk.guard(two_nans, on_nonfinite="skip")  # the default cap, 4
+    step = maybe_jit(g)
+    ones, hole = jnp.ones(3), jnp.array([1.0, 0.0, 1.0])
+    for x, y in [(hole, ones), (hole, ones), (ones, hole), (hole, ones), (hole, ones), (ones, hole)]:
+        jax.block_until_ready(step(ones, x, y))
+    log, sqrt = g.reports  # in the order first seen; the 5th and 6th bad calls were not audited
+    assert guard_mod.MAX_REPORTS == 4 and len(audits) == 4 and g.bad_calls == 6
+    assert [f.op for f in log.audit.findings] == ["log"] and log.repeats == 2
+    assert [f.op for f in sqrt.audit.findings] == ["sqrt"] and sqrt.repeats == 0
+    assert "test_guard.py" in log.audit.findings[0].location
+
+
+def test_vmap_elements_count_against_the_cap(audits):
+    g = gk.guard(log_loss, on_nonfinite="skip", max_reports=3)
+    xs = jnp.ones((12, 3)).at[jnp.arange(2, 12), 1].set(0.0)  # elements 2..11 bad
+    _, grads = jax.jit(jax.vmap(g, in_axes=(None, 0)))(jnp.ones(3), xs)
+    np.testing.assert_array_equal(grads[2:], 0.0)
+    (r,) = g.reports
+    assert len(audits) == 3 and g.bad_calls == 1 and r.batch_index == (2,) and r.repeats == 2
+    assert r.note == "7 more bad batch element(s) in this call were not audited: (5,), (6,), (7,), (8,), (9,), " \
+                     "(10,), (11,)."
+    assert all(len(refs) == 2 for refs in audits)  # each audit copied one element (w and that row), not the batch
+
+
+@pytest.mark.parametrize("mode", ["raise", "skip"])
+def test_reports_hold_no_copy_of_the_arguments(maybe_jit, mode, audits):
+    g = gk.guard(log_loss, on_nonfinite=mode)
+    step = maybe_jit(g)
+    errors = []  # kept alive: an exception must not keep the inputs either
+    for _ in range(2):
+        try:
+            jax.block_until_ready(step(jnp.ones(3), jnp.array([1.0, 0.0, 2.0])))
+        except g.step_errors as e:
+            errors.append(e)
+    reports = g.reports
+    gc.collect()
+    assert len(audits) == 2 and all(len(refs) == 2 for refs in audits)
+    assert [ref() for refs in audits for ref in refs] == [None] * 4  # every host copy is gone
+    assert len(errors) == (2 if mode == "raise" else 0)
+    (r,) = reports
+    assert not hasattr(r, "args") and r.repeats == 1
+    assert not any(isinstance(v, (np.ndarray, jax.Array)) for v in vars(r).values())
+
+
+def test_reports_wait_only_for_the_capped_audits(monkeypatch, audits):
+    slow_s = 2.0
+
+    def slow_audit(*a, **k):
+        time.sleep(slow_s)
+        return real_audit(*a, **k)
+
+    real_audit = guard_mod.audit
+    monkeypatch.setattr(guard_mod, "audit", slow_audit)
+    g = gk.guard(log_loss, on_nonfinite="skip", max_reports=2)
+    step = jax.jit(g)
+    bad = 12
+    for _ in range(bad):
+        step(jnp.ones(3), jnp.array([1.0, 0.0, 2.0]))
+    t0 = time.perf_counter()
+    (r,) = g.reports  # waits for the two audits at most
+    elapsed = time.perf_counter() - t0
+    assert len(audits) == 2 and g.bad_calls == bad and r.repeats == 1
+    assert elapsed < bad * slow_s / 2, elapsed  # uncapped: 12 audits of more than 2 s each
+
+
 # --------------------------------------------------------------------------- vmap: only the bad elements
 
 
@@ -207,12 +342,12 @@ def test_vmap_audits_only_the_bad_elements(spy):
     loss, grads = per_example(jnp.ones(3), xs)
     np.testing.assert_array_equal(grads[jnp.array([1, 3])], 0.0)  # skip is per element
     np.testing.assert_array_equal(grads[jnp.array([0, 2])], jnp.ones((2, 3)))
-    assert len(spy) == 1  # one callback for the whole batch
-    reports = g.reports
-    assert sorted(r.batch_index for r in reports) == [(1,), (3,)]
-    for r in reports:
-        np.testing.assert_array_equal(r.args[1], np.asarray(xs[r.batch_index[0]]))
-        assert r.audit.findings[0].op == "log"
+    assert len(spy) == 1 and g.bad_calls == 1  # one callback for the whole batch
+    # both bad elements audited; their NaN is born at the same `log`: one report, one repeat
+    (r,) = g.reports
+    assert r.batch_index == (1,) and r.repeats == 1 and r.audit.findings[0].op == "log"
+    assert r.audit.inputs == ("w: f32[3]", "x: f32[3]")  # the element, not the batch
+    assert str(r.audit.findings[0].root.elements[0]) == "[1]: x = 0"  # xs[1] = [1, 0, 2]
 
 
 def test_nested_vmap_indices():
@@ -222,8 +357,8 @@ def test_nested_vmap_indices():
     jax.jit(jax.vmap(jax.vmap(g, in_axes=(None, 0)), in_axes=(0, 0)))(ws, xs)
     (r,) = g.reports
     assert r.batch_index == (1, 2)
-    np.testing.assert_array_equal(r.args[1], np.asarray(xs[1, 2]))
-    assert r.args[0].shape == (3,)
+    assert r.audit.inputs == ("w: f32[3]", "x: f32[3]")  # ws[1] and xs[1, 2]
+    assert str(r.audit.findings[0].root.elements[0]) == "[0]: x = 0"
 
 
 # --------------------------------------------------------------------------- data parallel
@@ -249,7 +384,7 @@ def test_sharded_inputs_bit_for_bit_and_the_global_batch_is_audited():
     # the step's results used first: jax 0.8's effects_barrier can return before this callback has run
     jax.block_until_ready(jax.jit(g)(w, bad))
     (r,) = g.reports
-    assert r.args[1].shape == (16, 4) and r.audit.findings[0].op == "sqrt"
+    assert r.audit.inputs[1] == "x: f32[16,4]" and r.audit.findings[0].op == "sqrt"
     assert "x[5, 0]" in str(r.audit) or "[5]" in str(r.audit)
 
 
@@ -280,7 +415,7 @@ def test_inside_shard_map_only_the_bad_shard_reports(spy):
     good = jax.vmap(jax.grad(sqrt_loss), in_axes=(None, 0))(w, x.reshape(8, 2, 4))
     np.testing.assert_allclose(grad, jnp.sum(good.at[2].set(0.0), axis=0) / 8, rtol=1e-5)  # that shard skipped
     (r,) = g.reports
-    assert r.args[1].shape == (2, 4) and r.audit.findings[0].op == "sqrt"
+    assert r.audit.inputs[1] == "x: f32[2,4]" and r.audit.findings[0].op == "sqrt"
     assert str(r.audit.findings[0].root.elements[0]).startswith("[1]")
 
 
@@ -294,8 +429,7 @@ def test_prng_key_arguments_reach_the_audit():
     g = gk.guard(noisy, on_nonfinite="report")
     jax.jit(g)(jnp.array([1.0, 0.0]), jax.random.key(3))
     (r,) = g.reports
-    assert jax.dtypes.issubdtype(r.args[1].dtype, jax.dtypes.prng_key)
-    assert r.audit.findings[0].op == "sqrt"
+    assert r.audit is not None and r.audit.findings[0].op == "sqrt"  # jax.random.normal ran: a key arrived
 
 
 def test_static_python_arguments_are_kept():
@@ -305,7 +439,7 @@ def test_static_python_arguments_are_kept():
     g = gk.guard(loss, on_nonfinite="report")
     jax.jit(g, static_argnums=1)(jnp.array([1.0, 0.0]), "log")
     (r,) = g.reports
-    assert r.args[1] == "log" and r.audit.findings[0].op == "log"
+    assert r.audit.findings[0].op == "log"  # the branch of mode == "log"
 
 
 # --------------------------------------------------------------------------- errors
@@ -316,6 +450,9 @@ def test_static_python_arguments_are_kept():
     ({"argnums": "0"}, r"argnums must be an int"),
     ({"argnums": ()}, r"argnums must be an int"),
     ({"has_aux": 1}, r"has_aux must be True or False"),
+    ({"max_reports": -1}, r"max_reports must be an int >= 0 \(how many bad calls to audit"),
+    ({"max_reports": 2.0}, r"max_reports must be an int >= 0"),
+    ({"max_reports": True}, r"max_reports must be an int >= 0"),
 ])
 def test_bad_arguments_fail_at_wrap_time(kwargs, match):
     with pytest.raises(gk.GradkitError, match=r"^\[gradkit\] guard\(mlp_loss\): " + match):

@@ -1,4 +1,4 @@
-"""``gk.guard``: ``jax.value_and_grad`` that explains the first NaN, at the cost of one reduction per step.
+"""``gk.guard``: ``jax.value_and_grad`` that explains the first NaNs, at the cost of one reduction per step.
 
 How it works, and why this way:
 
@@ -19,11 +19,21 @@ How it works, and why this way:
   audit runs on a worker thread, **on the CPU device**, from those copies: it
   never queues work behind the blocked step. In ``"skip"`` and ``"report"``
   modes the callback returns at once and the audit finishes in the
-  background (reading :attr:`Guard.reports` waits for it). In ``"raise"``
+  background (reading :attr:`Guard.reports` waits for the audits in flight). In ``"raise"``
   mode the callback waits for the audit (at most ``_WAIT_S`` seconds, so a
   stall can never hang the step for good) and raises with the report in the
   message. Calls made outside any trace (eager) are checked on the host and
   audited in the calling thread.
+* **Bounded.** An audit re-runs the loss op by op (and checks its fix with
+  finite differences), far dearer than a step, and its inputs are a copy of
+  the step's. So a guard audits at most ``max_reports`` bad calls, the first
+  ones; later bad calls are counted (:attr:`Guard.bad_calls`) and copy
+  nothing (the callback still receives the step's inputs, as every bad call
+  does, and drops them at once). The host copies live only until their audit
+  has run: a report keeps the audit's text and the few offending element
+  values, never the arguments. Audits whose NaN was born at the same places
+  (op and source line) share one report, which counts the others
+  (:attr:`GuardReport.repeats`).
 * **Call index.** Counting the calls of a compiled step would take a host
   round trip on every step, which the finite path must not pay; eager calls
   are counted, traced ones report ``call=None``.
@@ -59,13 +69,15 @@ from gradkit._src.audit import audit
 from gradkit._src.audit_report import AuditReport
 from gradkit._src.describe import def_source, fmt, fn_name, one_line
 from gradkit._src.errors import GradkitError
-from gradkit._src.guard_host import all_finite, bad_elements, depend, report_if_bad
+from gradkit._src.guard_host import all_finite, bad_elements, bad_indices, depend, report_if_bad
 
 __all__ = ["Guard", "GuardReport", "NonFiniteGradientError", "guard"]
 
 MODES = ("raise", "skip", "report")
 _WAIT_S = 300.0  # raise mode: longest wait for the audit inside the callback
-_AUDITS_PER_CALL = 4  # bad batch elements audited per call (the rest are counted)
+_AUDITS_PER_CALL = 4  # bad batch elements audited per call at most (the rest are listed in the note)
+MAX_REPORTS = 4  # default of guard(max_reports=): audits per guard
+_LISTED = 8  # unaudited batch indices named in a report's note
 
 
 class NonFiniteGradientError(GradkitError):
@@ -76,7 +88,8 @@ class NonFiniteGradientError(GradkitError):
     ``ValueError`` (see :attr:`Guard.step_errors`) whose message contains this one's.
 
     Attributes:
-      reports: the :class:`GuardReport` of each audited bad element of the call.
+      reports: the :class:`GuardReport` of each audited bad element of the call;
+        empty when the call was not audited (the guard had run its ``max_reports`` audits).
     """
 
     def __init__(self, message: str, reports: Sequence[GuardReport] = ()):
@@ -88,24 +101,27 @@ class NonFiniteGradientError(GradkitError):
 class GuardReport:
     """One non-finite guarded call (one batch element of it, under ``vmap``), audited.
 
+    A report holds text and small values only (the audit, with the few input
+    elements where the NaN was born): not the call's arguments, which the
+    guard copies for the audit and drops when it has run.
+
     Attributes:
       call: the call's index (1 for the first guarded call), for calls the host
         sees (eager); ``None`` inside a compiled step, whose calls are not counted.
       batch_index: the element's index under ``vmap`` (outermost axis first); ``()`` otherwise.
       loss: the loss value there, as text (``"nan"``, ``"0.6931"``).
       audit: the :func:`audit` of the loss at exactly these inputs (``None`` if it could not run).
-      args: the call's positional arguments, as NumPy arrays: re-run the step with them.
-      kwargs: the call's keyword arguments.
       note: what else to know (elements not audited, an audit that failed or found nothing).
+      repeats: how many later audits found their NaN born at the same places
+        (the same ops at the same source lines) and so made no report of their own.
     """
 
     call: int | None
     batch_index: tuple[int, ...]
     loss: str
     audit: AuditReport | None
-    args: tuple[Any, ...] = ()
-    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     note: str = ""
+    repeats: int = 0
 
     @property
     def headline(self) -> str:
@@ -120,23 +136,27 @@ class GuardReport:
             lines.append(str(self.audit))
         if self.note:
             lines.append(f"note: {self.note}")
+        if self.repeats:
+            lines.append(f"repeats: {self.repeats} later audit(s) found the same birth place")
         return "\n".join(lines)
 
 
 def guard(loss_fn: Callable[..., Any], *, argnums: int | Sequence[int] = 0, has_aux: bool = False,
-          on_nonfinite: str = "raise") -> Guard:
-    """``jax.value_and_grad(loss_fn, argnums, has_aux)`` that audits the first non-finite step.
+          on_nonfinite: str = "raise", max_reports: int = MAX_REPORTS) -> Guard:
+    """``jax.value_and_grad(loss_fn, argnums, has_aux)`` that audits its first non-finite steps.
 
     Use it where you use ``jax.value_and_grad``: eagerly, inside your
     ``jax.jit`` training step, under ``vmap``, with sharded inputs and inside
     ``shard_map``. While the loss and the gradients are finite it returns
     exactly what ``jax.value_and_grad`` returns and adds one fused finiteness
     check to the compiled step. When the loss or a gradient leaf is NaN or
-    inf, exactly that call's inputs are copied to the host and
-    :func:`gradkit.audit` explains where the NaN was born and what fixes it;
-    the report is appended to :attr:`Guard.reports`. Then:
+    inf, the call is counted in :attr:`Guard.bad_calls` and, if it is one of
+    the first ``max_reports`` bad calls, exactly that call's inputs are
+    copied to the host and :func:`gradkit.audit` explains where the NaN was
+    born and what fixes it; the report goes to :attr:`Guard.reports`. Then:
 
-    * ``"raise"``: the step raises, with the report in the message. Eagerly:
+    * ``"raise"``: the step raises, with the report in the message (past the
+      cap: the loss and a line saying the call was not audited). Eagerly:
       :class:`NonFiniteGradientError` (a :class:`GradkitError`); inside a
       compiled step: ``jax.errors.JaxRuntimeError`` or ``ValueError``,
       raised where the step's results are first used (``float(loss)``,
@@ -145,20 +165,33 @@ def guard(loss_fn: Callable[..., Any], *, argnums: int | Sequence[int] = 0, has_
       them is a no-op, as with ``optax.apply_if_finite``) and training goes on.
     * ``"report"``: the values come back unchanged.
 
+    What the guard keeps is bounded: at most ``max_reports`` audits in its
+    life (an audit re-runs the loss op by op on the CPU, far dearer than a
+    step), each from a host copy of the call's inputs that is dropped as soon
+    as the audit has run; a report keeps the audit's text and the offending
+    element values, not the arguments. An audit that finds its NaN born at
+    the same places as an earlier report (same ops, same source lines) makes
+    no new report but counts in that one's :attr:`GuardReport.repeats`. Bad
+    calls past the cap are only counted: they copy nothing, and reading
+    :attr:`Guard.reports` never waits for more than the capped audits.
+
     The audit runs on the CPU device from host copies, never on the device
     the step is using. Under ``vmap`` only the bad batch elements are audited
-    (at most 4 per call). Inside ``shard_map`` each device audits its own
-    shard: a loss with collectives (``psum``) cannot be re-run outside the
-    map, and its report says so.
+    (at most 4 per call, each counting against ``max_reports``). Inside
+    ``shard_map`` each device audits its own shard: a loss with collectives
+    (``psum``) cannot be re-run outside the map, and its report says so.
 
     Args:
       loss_fn: returns a scalar loss (``(loss, aux)`` with ``has_aux``).
       argnums: which positional arguments to differentiate, as in ``jax.value_and_grad``.
       has_aux: ``loss_fn`` returns ``(loss, aux)``; only the loss is checked.
       on_nonfinite: ``"raise"`` (default), ``"skip"`` or ``"report"``.
+      max_reports: how many bad calls (batch elements, under ``vmap``) to
+        audit, the first ones (default 4; 0 only counts them).
 
     Returns:
-      A :class:`Guard`: call it as ``jax.value_and_grad(loss_fn)``; read ``.reports``.
+      A :class:`Guard`: call it as ``jax.value_and_grad(loss_fn)``; read
+      ``.reports`` and ``.bad_calls``.
 
     Examples:
       >>> import jax, jax.numpy as jnp, gradkit as gk
@@ -173,8 +206,18 @@ def guard(loss_fn: Callable[..., Any], *, argnums: int | Sequence[int] = 0, has_
       >>> r = g.reports[0]
       >>> r.audit.findings[0].op, str(r.audit.findings[0].root.elements[0])
       ('sqrt', '[1]: x = 0')
+
+      Three bad calls with ``max_reports=2``: two audits, which find the same
+      birth place (one report, one repeat); the third call is only counted.
+
+      >>> g = gk.guard(loss, on_nonfinite="skip", max_reports=2)
+      >>> step = jax.jit(lambda w, x: g(w, x)[1])
+      >>> for _ in range(3):
+      ...     _ = step(jnp.ones(2), jnp.array([1.0, 0.0]))
+      >>> g.bad_calls, len(g.reports), g.reports[0].repeats
+      (3, 1, 1)
     """
-    return Guard(loss_fn, argnums=argnums, has_aux=has_aux, on_nonfinite=on_nonfinite)
+    return Guard(loss_fn, argnums=argnums, has_aux=has_aux, on_nonfinite=on_nonfinite, max_reports=max_reports)
 
 
 def _check_argnums(argnums: Any, name: str) -> int | tuple[int, ...]:
@@ -194,7 +237,7 @@ class Guard:
 
     Attributes:
       fn: the guarded loss function.
-      argnums, has_aux, on_nonfinite: as given to :func:`guard`.
+      argnums, has_aux, on_nonfinite, max_reports: as given to :func:`guard`.
       step_errors: what a compiled step raises in ``"raise"`` mode, for
         ``except guard.step_errors``: ``jax.errors.JaxRuntimeError`` (a step's
         first call) and ``ValueError`` (what JAX's fast C++ dispatch path, which
@@ -205,7 +248,7 @@ class Guard:
     step_errors: tuple[type[BaseException], ...] = (jax.errors.JaxRuntimeError, ValueError, NonFiniteGradientError)
 
     def __init__(self, fn: Callable[..., Any], *, argnums: int | Sequence[int] = 0, has_aux: bool = False,
-                 on_nonfinite: str = "raise"):
+                 on_nonfinite: str = "raise", max_reports: int = MAX_REPORTS):
         if not callable(fn):
             raise GradkitError(f"guard: expected a loss function, got {type(fn).__name__} {fn!r}.")
         name = fn_name(fn)
@@ -215,39 +258,43 @@ class Guard:
                 "report), 'skip' (zero gradients, keep training) or 'report' (values unchanged).")
         if not isinstance(has_aux, bool):
             raise GradkitError(f"guard({name}): has_aux must be True or False, got {has_aux!r}.")
+        if not isinstance(max_reports, (int, np.integer)) or isinstance(max_reports, bool) or max_reports < 0:
+            raise GradkitError(f"guard({name}): max_reports must be an int >= 0 (how many bad calls to audit; "
+                               f"0 only counts them), got {max_reports!r}.")
         self.fn = fn
         self.argnums = _check_argnums(argnums, name)
         self.has_aux = has_aux
         self.on_nonfinite = on_nonfinite
+        self.max_reports = int(max_reports)
         self._name = name
         self._source = def_source(fn)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified when no host callback is running
         self._in_callback = 0
         self._reports: list[GuardReport] = []
-        self._pending: list[concurrent.futures.Future[Any]] = []
+        self._report_of: dict[tuple[Any, ...], int] = {}  # birth places -> index in _reports
+        self._pending: list[concurrent.futures.Future[Any]] = []  # audits in flight (max_reports at most)
         self._calls = 0
+        self._bad_calls = 0
+        self._audits = 0  # audits started, max_reports at most
         functools.update_wrapper(self, fn, updated=())
 
     def __repr__(self) -> str:
-        return f"gk.guard({self._name}, on_nonfinite={self.on_nonfinite!r})"
+        return f"gk.guard({self._name}, on_nonfinite={self.on_nonfinite!r}, max_reports={self.max_reports})"
 
     @property
     def reports(self) -> list[GuardReport]:
-        """The reports of the bad calls so far, oldest first.
+        """The reports of the audited bad calls, oldest first: one per birth place of the NaN.
 
-        Waits for the steps already dispatched to run their callbacks
-        (``jax.effects_barrier``) and for the audits still running. On jax
-        0.8 with sharded inputs the barrier can return before a step's
-        callback has started: use the step's results first (``float(loss)``,
+        At most ``max_reports`` (see :attr:`GuardReport.repeats` for audits
+        that shared one). Waits for the steps already dispatched to run their
+        callbacks (``jax.effects_barrier``) and for the audits in flight, of
+        which there are never more than ``max_reports``. On jax 0.8 with
+        sharded inputs the barrier can return before a step's callback has
+        started: use the step's results first (``float(loss)``,
         ``block_until_ready``), as a training loop does.
         """
-        try:
-            jax.effects_barrier()
-        except Exception:
-            pass
-        with self._idle:  # some JAX versions (0.8, sharded inputs) return from the barrier mid-callback
-            self._idle.wait_for(lambda: self._in_callback == 0, timeout=_WAIT_S)
+        self._sync()
         while True:
             with self._lock:
                 pending = [f for f in self._pending if not f.done()]
@@ -259,9 +306,31 @@ class Guard:
             return list(self._reports)
 
     @property
+    def bad_calls(self) -> int:
+        """How many guarded calls had a non-finite loss or gradient, audited or not, compiled calls included.
+
+        A ``vmap``-ed call with bad elements counts once; inside ``shard_map``
+        each device whose shard is bad counts its own. Waits, as
+        :attr:`reports` does, for the callbacks of the steps already
+        dispatched, but not for their audits.
+        """
+        self._sync()
+        with self._lock:
+            return self._bad_calls
+
+    @property
     def calls(self) -> int:
         """How many eager (host-visible) calls were guarded; compiled calls are not counted."""
         return self._calls
+
+    def _sync(self) -> None:
+        """Waits for the host callbacks of the steps already dispatched."""
+        try:
+            jax.effects_barrier()
+        except Exception:
+            pass
+        with self._idle:  # some JAX versions (0.8, sharded inputs) return from the barrier mid-callback
+            self._idle.wait_for(lambda: self._in_callback == 0, timeout=_WAIT_S)
 
     # ------------------------------------------------------------------ the call
 
@@ -307,46 +376,97 @@ class Guard:
             call = self._calls
         if bool(_all_finite_jit(leaves)):
             return value, grads
-        report = self._audit(call, (), _host_copy(leaves[0]), split, [_host_copy(x) for x in dyn])
-        with self._lock:
-            self._reports.append(report)
+        number, audits = self._admit(1)
+        reports = []
+        if audits:
+            report, key = self._audit(call, (), _host_copy(leaves[0]), split, [_host_copy(x) for x in dyn])
+            self._keep(report, key)
+            reports.append(report)
+            text = str(report)
+        else:
+            text = self._unaudited(call, (), leaves[0], number)
         if self.on_nonfinite == "raise":
-            raise NonFiniteGradientError(f"guard({self._name}): {report}", [report])
+            raise NonFiniteGradientError(f"guard({self._name}): {text}", reports)
         if self.on_nonfinite == "skip":
             grads = jax.tree_util.tree_map(jnp.zeros_like, grads)
         return value, grads
 
     # ------------------------------------------------------------------ the bad path (host)
 
-    def _on_bad(self, split: Split, keys: tuple[Any, ...], levels: Any, ok: np.ndarray, loss: np.ndarray,
-                leaves: Sequence[np.ndarray]) -> None:
-        """In the callback: copy the bad elements, queue their audits; in raise mode wait and raise."""
-        elements = bad_elements(levels, ok, [loss, *leaves])
-        more = len(elements) - _AUDITS_PER_CALL
-        futures = []
-        for k, (index, (loss_i, *leaves_i)) in enumerate(elements[:_AUDITS_PER_CALL]):
-            dyn = [_wrap_key(x, i) if i is not None else x for x, i in zip(leaves_i, keys)]
-            note = f"{more} more bad batch element(s) in this call were not audited." if k == 0 and more > 0 else ""
-            futures.append(_executor().submit(self._audit_and_keep, None, index, loss_i, split, dyn, note))
+    def _admit(self, wanted: int) -> tuple[int, int]:
+        """Counts a bad call; returns its number among the bad calls and how many audits it may start."""
         with self._lock:
-            self._pending.extend(futures)
+            self._bad_calls += 1
+            audits = max(0, min(wanted, self.max_reports - self._audits))
+            self._audits += audits
+            return self._bad_calls, audits
+
+    def _unaudited(self, call: int | None, index: tuple[int, ...], loss: Any, number: int) -> str:
+        headline = GuardReport(call, index, _fmt_loss(loss), None).headline
+        return (f"{headline}. Not audited: this guard audits its first max_reports={self.max_reports} bad "
+                f"call(s) (read guard.reports); this is bad call {number}.")
+
+    def _on_bad(self, split: Split, keys: tuple[Any, ...], levels: Any, ok: np.ndarray, loss: np.ndarray,
+                leaves: Sequence[np.ndarray]) -> NonFiniteGradientError | None:
+        """In the callback: count the call, copy the bad elements to audit and queue their audits.
+
+        Returns what the step is to raise (raise mode: after waiting for the
+        audits), else None.
+        """
+        indices = bad_indices(ok)
+        if not indices:
+            return None
+        number, audits = self._admit(min(len(indices), _AUDITS_PER_CALL))
+        if not audits:
+            if self.on_nonfinite != "raise":
+                return None
+            (loss_i,), = bad_elements(levels, indices[:1], [loss])
+            return NonFiniteGradientError(f"guard({self._name}): "
+                                          f"{self._unaudited(None, indices[0], loss_i, number)}")
+        rest = indices[audits:]
+        note = (f"{len(rest)} more bad batch element(s) in this call were not audited: "
+                + ", ".join(map(str, rest[:_LISTED])) + (", ..." if len(rest) > _LISTED else "") + ".") if rest else ""
+        futures = self._submit(split, keys, levels, indices[:audits], [loss, *leaves], note)
+        del loss, leaves  # the queued audits hold the only copies, until they have run
+        with self._lock:
+            self._pending = [f for f in self._pending if not f.done()] + futures
         if self.on_nonfinite != "raise":
-            return
+            return None
         done, _ = concurrent.futures.wait(futures, timeout=_WAIT_S)
         reports = [f.result() for f in futures if f in done]
         text = "\n".join(str(r) for r in reports) if reports else (
             f"the audit did not finish within {_WAIT_S:.0f} s; it goes on in the background: read guard.reports.")
-        raise NonFiniteGradientError(f"guard({self._name}): {text}", reports)
+        return NonFiniteGradientError(f"guard({self._name}): {text}", reports)
+
+    def _submit(self, split: Split, keys: tuple[Any, ...], levels: Any, indices: Sequence[tuple[int, ...]],
+                leaves: Sequence[np.ndarray], note: str) -> list[concurrent.futures.Future[GuardReport]]:
+        """Queues the audit of each element at ``indices``, from host copies of its leaves."""
+        futures = []
+        for k, (index, (loss_i, *leaves_i)) in enumerate(zip(indices, bad_elements(levels, indices, leaves))):
+            dyn = [_wrap_key(x, i) if i is not None else x for x, i in zip(leaves_i, keys)]
+            futures.append(_executor().submit(self._audit_and_keep, None, index, loss_i, split, dyn,
+                                              note if k == 0 else ""))
+        return futures
 
     def _audit_and_keep(self, call: int | None, index: tuple[int, ...], loss: np.ndarray, split: Split,
                         dyn: list[Any], note: str) -> GuardReport:
-        report = self._audit(call, index, loss, split, dyn, note)
-        with self._lock:
-            self._reports.append(report)
+        report, key = self._audit(call, index, loss, split, dyn, note)
+        self._keep(report, key)
         return report
 
+    def _keep(self, report: GuardReport, key: tuple[Any, ...]) -> None:
+        """Adds ``report``, or counts it in the earlier report whose NaN was born at the same places."""
+        with self._lock:
+            i = self._report_of.get(key)
+            if i is None:
+                self._report_of[key] = len(self._reports)
+                self._reports.append(report)
+            else:
+                self._reports[i] = dataclasses.replace(self._reports[i], repeats=self._reports[i].repeats + 1)
+
     def _audit(self, call: int | None, index: tuple[int, ...], loss: Any, split: Split, dyn: list[Any],
-               note: str = "") -> GuardReport:
+               note: str = "") -> tuple[GuardReport, tuple[Any, ...]]:
+        """The report of the loss at ``dyn`` (host copies), and the key of where its NaN was born."""
         args, kwargs = split.combine(dyn)
         fn = self.fn
         has_aux = self.has_aux
@@ -363,13 +483,14 @@ class Guard:
             return out[0] if has_aux else out
 
         result: AuditReport | None = None
+        failure = ""
         try:
             with jax.default_device(jax.devices("cpu")[0]):
                 result = audit(scalar_loss, *holes, argnums=self.argnums)
         except Exception as e:
-            note = _join(note, f"the audit could not run: {type(e).__name__}: {one_line(str(e))}"
-                         + (" (a loss with collectives such as psum cannot be re-run outside its shard_map)"
-                            if "axis name" in str(e) else ""))
+            failure = f"the audit could not run: {type(e).__name__}: {one_line(str(e))}"
+            note = _join(note, failure + (" (a loss with collectives such as psum cannot be re-run outside its "
+                                          "shard_map)" if "axis name" in str(e) else ""))
         if result is not None and result.finite and not _nonfinite(loss):
             note = _join(note, "the audit, re-running the loss op by op on the CPU at these inputs, found the "
                                "gradient finite: the NaN/inf came from elsewhere (inside shard_map, another "
@@ -377,7 +498,13 @@ class Guard:
                                "with jax.lax.pcast(x, axis, to='varying') (jax.lax.pvary on older JAX) to keep "
                                "gradients per device), or from the device or XLA's fusion "
                                "of the compiled step.")
-        return GuardReport(call, index, _fmt_loss(loss), result, tuple(args), dict(kwargs), note)
+        if result is None:
+            key: tuple[Any, ...] = ("no audit", failure)
+        elif result.findings:
+            key = ("born at", *sorted({(f.op, f.location) for f in result.findings}))
+        else:
+            key = ("no finding", _nonfinite(loss))
+        return GuardReport(call, index, _fmt_loss(loss), result, note), key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,17 +515,18 @@ class _KeyHole:
 
 
 def _host(ref: Any, split: Split, keys: tuple[Any, ...], levels: Any, ok: np.ndarray, loss: np.ndarray,
-          *leaves: np.ndarray) -> None:
+          *leaves: np.ndarray) -> BaseException | None:
     g = ref()
-    if g is not None:
+    if g is None:
+        return None
+    with g._idle:
+        g._in_callback += 1
+    try:
+        return g._on_bad(split, keys, levels, ok, loss, leaves)
+    finally:
         with g._idle:
-            g._in_callback += 1
-        try:
-            g._on_bad(split, keys, levels, ok, loss, leaves)
-        finally:
-            with g._idle:
-                g._in_callback -= 1
-                g._idle.notify_all()
+            g._in_callback -= 1
+            g._idle.notify_all()
 
 
 def _key_impl(x: Any) -> Any:

@@ -24,8 +24,10 @@ from jax import lax
 
 # The host function: ``host(levels, ok, *leaves)`` with numpy arrays. ``levels`` (static) lists, per
 # vmap level from the innermost out, which leaves are batched there; the batched leaves and ``ok`` carry
-# one leading axis per level, outermost first.
-Host = Callable[..., None]
+# one leading axis per level, outermost first. It returns the exception the step is to fail with, or
+# None: the callback raises it once its own references to the leaves are gone, so that the traceback
+# an exception keeps holds none of the step's inputs.
+Host = Callable[..., BaseException | None]
 
 
 def all_finite(leaves: Sequence[Any]) -> Any:
@@ -49,8 +51,12 @@ def _reporter(host: Host, levels: tuple[tuple[bool, ...], ...]) -> Callable[...,
 
     def on_host(ok: np.ndarray, *leaves: np.ndarray) -> np.ndarray:
         # Copies are made by the host function: the callback's arrays may alias device buffers.
-        host(levels, ok, *leaves)
-        return np.asarray(ok, dtype=bool)
+        flags = np.asarray(ok, dtype=bool)
+        error = host(levels, ok, *leaves)
+        del ok, leaves
+        if error is not None:
+            raise error
+        return flags
 
     def call_host(ok: Any, *leaves: Any) -> Any:
         # A pure callback, whose flag every result of the guard depends on: an io_callback (a side
@@ -77,6 +83,8 @@ def _reporter(host: Host, levels: tuple[tuple[bool, ...], ...]) -> Callable[...,
 def report_if_bad(host: Host, ok: Any, leaves: Sequence[Any]) -> Any:
     """Calls ``host(levels, ok, *leaves)`` on the host when ``ok`` is False; returns ``ok``.
 
+    The step fails with the exception ``host`` returns, if any.
+
     Use the result (see :func:`depend`): the callback is pure to XLA, which
     drops it when nothing reads its flag.
     """
@@ -94,17 +102,31 @@ def depend(ok: Any, x: Any, zero: bool = False) -> Any:
     return jnp.where(ok, x, other)
 
 
-def bad_elements(levels: tuple[tuple[bool, ...], ...], ok: np.ndarray, leaves: Sequence[np.ndarray]
-                 ) -> list[tuple[tuple[int, ...], list[np.ndarray]]]:
-    """The bad elements of a (possibly vmapped) call: ``(batch index, that element's leaves)``.
+def bad_indices(ok: np.ndarray) -> list[tuple[int, ...]]:
+    """Where ``ok`` is False: the bad elements' batch indices, outermost ``vmap`` level first.
 
-    ``ok`` has one axis per vmap level, outermost first; a leaf has a leading
-    axis for each level where it is batched.
+    ``[()]`` for a bad call that is not batched, ``[]`` when every flag is True.
+    Only the flags are read: nothing is copied.
+    """
+    flags = np.asarray(ok, bool)
+    if not flags.ndim:
+        return [] if bool(flags) else [()]
+    return [tuple(int(i) for i in index) for index in zip(*np.nonzero(~flags))]
+
+
+def bad_elements(levels: tuple[tuple[bool, ...], ...], indices: Sequence[tuple[int, ...]],
+                 leaves: Sequence[np.ndarray]) -> list[list[np.ndarray]]:
+    """Host copies of the leaves of the batch elements at ``indices`` (see :func:`bad_indices`), and no others.
+
+    A leaf has a leading axis for each ``vmap`` level where it is batched
+    (``levels``, innermost first); an element's leaf is that leaf indexed at
+    those levels. The copies own their memory: the callback's arrays may alias
+    device buffers, and copying only the elements to audit keeps the rest of
+    the batch off the host.
     """
     out = []
     outer_first = levels[::-1]
-    for index in zip(*np.nonzero(~np.asarray(ok, bool))) if np.ndim(ok) else ([()] if not bool(ok) else []):
-        index = tuple(int(i) for i in index)
+    for index in indices:
         element = []
         for k, leaf in enumerate(leaves):
             x = leaf
@@ -112,5 +134,5 @@ def bad_elements(levels: tuple[tuple[bool, ...], ...], ok: np.ndarray, leaves: S
                 if batched[k]:
                     x = x[i]
             element.append(np.array(x, copy=True))
-        out.append((index, element))
+        out.append(element)
     return out
