@@ -208,8 +208,8 @@ def check_sequence(make, calls, jit_outer=False):
 
 
 @pytest.mark.parametrize("kind", list(MAKERS))
-@settings(max_examples=6, **SETTINGS)
-@given(calls=st.lists(CALLS, min_size=3, max_size=6))
+@settings(max_examples=4, **SETTINGS)
+@given(calls=st.lists(CALLS, min_size=3, max_size=5))
 def test_agrees_with_jit_on_any_call_sequence(kind, calls):
     check_sequence(MAKERS[kind], calls)
 

@@ -37,7 +37,7 @@ def chain(n, scale):
     return loss
 
 
-@pytest.mark.parametrize("n", [10, 128, 129, 300])
+@pytest.mark.parametrize("n", [10, 128, 129])
 def test_every_named_op_of_a_long_chain_keeps_its_rule(n, maybe_jit):
     scale = 1.001
     g = maybe_jit(jax.grad(gk.override(chain(n, scale), SCALE_RULE)))(jnp.float32(1.0))
