@@ -287,12 +287,14 @@ def row_stable_floor(quick: bool) -> list[dict[str, Any]]:
 def _extra_rows() -> list[Callable[[bool], list[dict[str, Any]]]]:
     """Rows kept in their own modules (benchmarks/*.py), in the same format."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_cache_memory
     import bench_custom_gradient
     import bench_f32_backward
     import bench_guard
     import trace_cost
 
-    return [*trace_cost.ROWS, bench_custom_gradient.rows, bench_guard.rows, bench_f32_backward.rows]
+    return [*trace_cost.ROWS, bench_custom_gradient.rows, bench_guard.rows, bench_f32_backward.rows,
+            bench_cache_memory.rows]
 
 
 ROWS = [row_elementwise, row_mlp, row_scan, row_vmapped, row_stable, row_stable_floor, row_table_size, row_eager_calls,
