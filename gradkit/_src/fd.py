@@ -47,12 +47,15 @@ class Differences:
       forward, backward: ``(h(x + s) − h(x)) / s`` and ``(h(x) − h(x − s)) / s``
         (``None`` unless asked for).
       finite: the function was finite at every point used.
+      magnitude: ``max(|h(x + s)|, |h(x − s)|)``, what float64 rounding in the
+        difference scales with (``check_grads`` widens its tolerance by it).
     """
 
     central: np.ndarray
     forward: np.ndarray | None
     backward: np.ndarray | None
     finite: np.ndarray
+    magnitude: np.ndarray | None = None
 
 
 def _diff(a: np.ndarray, b: np.ndarray, step: np.ndarray) -> np.ndarray:
@@ -92,4 +95,6 @@ def differences(h: Callable[[Any], Any], x: Any, coords: np.ndarray, step: float
         finite &= np.isfinite(f0)
         forward = _diff(plus, f0, steps[:, None]).T
         backward = _diff(f0, minus, steps[:, None]).T
-    return Differences(central, forward, backward, finite.T)
+    with np.errstate(invalid="ignore"):
+        magnitude = np.fmax(np.abs(plus), np.abs(minus)).T
+    return Differences(central, forward, backward, finite.T, magnitude)
