@@ -3,42 +3,50 @@
 Every rule in these tables is a JVP rule: forward mode (``jax.jvp``,
 ``jacfwd``), reverse mode (``grad``, ``vjp``, ``jacrev``: JAX transposes the
 rule), ``hessian`` and every higher order go through it, under ``jit`` and
-``vmap`` too. ``SAFE``, ``STABLE`` and ``STRAIGHT_THROUGH`` target JAX
-primitives only, so they change nothing but the derivative of those primitives
-wherever a program uses them; ``STABLE_FUNCTIONS`` is opt-in and matches
-functions by name.
+``vmap`` too. ``SAFE``, ``STABLE``, ``STRAIGHT_THROUGH`` and ``BROADENED``
+target JAX primitives only, so they change nothing but the derivative of those
+primitives wherever a program uses them; ``STABLE_FUNCTIONS`` is opt-in and
+matches functions by name.
 
 ``SAFE``
   For every primitive whose derivative is infinite somewhere (sqrt, rsqrt,
   cbrt, log, log1p, div, rem, pow, integer_pow, atan2, acos, asin, acosh,
-  atanh, lgamma, digamma, erf_inv): JAX's own derivative, except that it is
-  exactly 0 wherever the incoming tangent (forward mode) or cotangent
-  (reverse mode) is 0, so ``0 * inf`` and ``0 * NaN`` never happen, at any
-  order. This removes the NaN gradients of the guarded-function family
-  (``jnp.where(x > 0, jnp.log(x), 0)``, the "double where" problem of JAX's
-  FAQ) without the second ``where``. ``mul`` has a safe rule too (its
-  derivative is the other operand: ``-inf`` in ``jnp.where(p > 0, p *
-  jnp.log(p), 0)`` at 0) but is not in ``SAFE``, since it would wrap every
-  multiplication of a model: add it with ``gk.tables.SAFE | {"mul": "safe"}``,
-  or use :func:`gradkit.stable.xlogy`.
-  Where the (co)tangent is nonzero the arithmetic is JAX's, operation for
-  operation (gradkit replays JAX's own rule of the installed version), so in
-  reverse mode a gradient that was finite is unchanged: compiled in one
-  program (``jit(grad(...))``) it is bit-identical for a unit cotangent; with
-  other cotangents, or when one value receives three or more cotangents, XLA
-  may fuse or sum differently (last-bit differences).
+  atanh, lgamma, digamma, erf_inv) and every elementwise product or mask
+  (mul, square, max, min, reduce_max, reduce_min): JAX's own derivative,
+  except that each of its products is 0 wherever one factor is 0 and the
+  other infinite — ``0 * inf`` is 0, in both orders, at any order of
+  differentiation. So ``jax.grad``, ``jacrev``, ``jacfwd``, ``jvp`` and
+  ``hessian`` give one answer: a derivative masked *before* the singular op
+  in forward mode (``jnp.where(x > 0, jnp.log(x), 0)``, the "double where"
+  problem of JAX's FAQ) and one masked *after* it in reverse mode
+  (``arccos(clip(y))``, ``sqrt(sum(x ** 2))`` at 0, ``pow(d2, 0.5)`` of a
+  zero distance, ``sqrt(x) * mask``) are both 0. The line: the masks are
+  elementwise (``where``/``select``, ``clip``, ``maximum``/``minimum``,
+  ``relu``, ``abs``, a product); a mask applied by a matrix product
+  (``dot_general``) or a derivative that overflows is not covered.
+  Elsewhere the arithmetic is JAX's, operation for operation and in JAX's
+  order (gradkit replays JAX's own rule of the installed version, and masks
+  the operands of each product rather than its result, so XLA fuses it as it
+  fuses JAX's): a gradient that was finite is unchanged, and a compiled
+  ``jit(grad(...))`` or ``jit(jvp(...))`` is bit-identical to JAX's; when one
+  value receives three or more cotangents, XLA may sum them in another order
+  (last-bit differences).
 
   What it does not fix:
 
   * a singularity the (co)tangent actually reaches: the gradient of ``sqrt``
-    at 0 stays ``inf`` when the result is used (``jnp.linalg.norm(x)`` at
-    ``x = 0`` is ``0 / 0`` after ``sqrt``: use :func:`gradkit.stable.safe_norm`);
+    at 0 stays ``inf`` when the result is used, in every mode (``sqrt(|x|)``
+    at 0; for a norm, :func:`gradkit.stable.safe_norm` is accurate near 0 too);
   * overflow and cancellation inside a formula: ``log(1 + exp(x))`` at
     ``x = 100`` is ``inf`` forward and NaN backward whatever the primitives'
     rules (use :func:`gradkit.stable.log1pexp`, or ``STABLE_FUNCTIONS`` on a
     named op). ``exp`` is deliberately not in SAFE: a zero cotangent reaching
     an overflowed ``exp`` is usually ``1/inf`` from downstream, not a mask,
     and zeroing it would turn the NaN into a wrong 0;
+  * second derivatives at a point where the first exists only because a
+    singularity was masked (the Hessian of a norm at the zero vector, whose
+    true value is infinite): ``jax.hessian`` (forward over reverse) gives 0,
+    reverse over reverse NaN, forward over forward ``inf``;
   * SAFE assumes a zero (co)tangent means "unused" (masked by ``where``,
     multiplied by 0, a zero direction of ``jacfwd``). A cotangent that is 0
     because a product underflowed gives 0 where the true gradient may not be:
@@ -89,6 +97,37 @@ functions by name.
   block, at no extra step time on CPU. A program already in float32 is
   unchanged. :func:`upcast_backward` makes such a table for other ops.
 
+``BROADENED`` (for repeated eigenvalues and singular values)
+  ``eigh`` and ``svd`` (``jnp.linalg.eigh``, ``eigvalsh``, ``svd``,
+  ``jax.scipy.linalg.polar(method="svd")``, …): JAX's derivative with every
+  ``1/gap`` factor (``1/(w_j - w_i)``; ``1/(s_j - s_i)`` and ``1/s``) replaced
+  by its Lorentzian broadening ``x / (x^2 + eps * scale^2)``, the technique of
+  differentiable tensor-network codes. Where the spectrum is separated it is
+  JAX's gradient (relative bias ``eps / gap^2``); at a repeated eigenvalue
+  or singular value, where JAX's is ``inf`` or NaN, it is finite. ``eps`` is
+  relative to the spectrum's scale (``max |w|``, the largest singular value),
+  so one value serves a matrix of any norm: 1e-12 in float64, 1e-9 in float32
+  (:func:`broadened` sets it). ``svd`` broadens only ``1/(s_j - s_i)`` of
+  JAX's ``1/(s_j^2 - s_i^2)``, keeping ``1/(s_j + s_i)`` exact, so the
+  rotation between ``U`` and ``V`` keeps its true derivative. It also
+  differentiates ``full_matrices=True`` for non-square matrices, which JAX
+  refuses (the extra columns in the gauge ``U_perp^T dU_perp = 0``).
+
+  The answer is the true gradient where the loss depends on each cluster of
+  equal eigenvalues (singular values) only through what does not change
+  inside it: the spectrum alone (``sum(f(w))``, ``jnp.linalg.norm(a, 2)``),
+  the projector onto a *whole* cluster (``V_S V_S^T``, a subspace overlap,
+  a gauge-invariant tensor-network contraction), the polar factor ``U V^T``.
+  It is finite but *not* the true gradient where the loss weights a
+  cluster's vectors by functions of its values: a matrix function
+  ``V f(w) V^T`` or a reconstruction ``U S V^T`` (their true derivative has
+  ``f'(w)`` inside the cluster; the broadening drops it; use the function's
+  own rule, ``jax.scipy.linalg.expm``, or the matrix itself), second
+  derivatives at a degeneracy (the Hessian of ``sum(f(w))`` has ``f''``
+  there), and single vectors of a cluster, which have no derivative at all.
+  Real inputs only; complex inputs and ``subset_by_index`` raise a
+  ``[gradkit]`` error.
+
 Examples:
   >>> import jax, jax.numpy as jnp, gradkit as gk
   >>> f = lambda x: jnp.where(x > 0, jnp.log(x), 0.0)
@@ -112,8 +151,8 @@ from gradkit._src import library as _lib
 from gradkit._src import upcast_rules as _up
 from gradkit._src.table import RuleTable
 
-__all__ = ["F32_BACKWARD", "SAFE", "STABLE", "STABLE_FUNCTIONS", "STRAIGHT_THROUGH", "describe", "library",
-           "upcast_backward"]
+__all__ = ["BROADENED", "F32_BACKWARD", "SAFE", "STABLE", "STABLE_FUNCTIONS", "STRAIGHT_THROUGH", "broadened",
+           "describe", "library", "upcast_backward"]
 
 SAFE: RuleTable = RuleTable(_lib.ready_table("safe", "SAFE"))
 
@@ -163,6 +202,50 @@ def upcast_backward(*op_names: str, dtype: Any = _jnp.float32) -> RuleTable:
 F32_BACKWARD: RuleTable = upcast_backward(*_F32_BACKWARD_OPS)
 
 
+def broadened(eps: float | None = None) -> RuleTable:
+    """A table of ``eigh`` and ``svd`` derivatives with Lorentzian-broadened ``1/gap`` factors.
+
+    Every ``1/x`` of a gap (``1/(w_j - w_i)`` of ``eigh``; ``1/(s_j - s_i)``
+    and ``1/s`` of ``svd``) becomes ``x / (x^2 + eps * scale^2)``: ``1/x`` where
+    the gap is large against ``sqrt(eps) * scale``, 0 where it is 0, never
+    above ``1 / (2 sqrt(eps) scale)``. See the module docstring for when the
+    answer at a degeneracy is the true gradient and when it is not.
+
+    Args:
+      eps: the broadening, *relative* to the spectrum's scale squared (``scale``
+        is ``max |w|`` or the largest singular value, per matrix), so scaling
+        the matrix scales the derivative exactly, and one ``eps`` serves a
+        matrix of any norm (an absolute one would broaden every gap of a
+        small matrix and none of a large one). ``None`` (default): ``1e-12``
+        in float64 (the tensor-network codes' value), ``1e-9`` in float32,
+        where the round-off gap of a degenerate pair (``~1e-7`` of the scale)
+        would be amplified to percent errors by ``1e-12``.
+
+    Returns:
+      A :class:`~gradkit.RuleTable` with JVP rules for ``"eigh"`` and ``"svd"``
+      (every mode; reverse mode by JAX's transposition).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, gradkit as gk
+      >>> def rotation(a):  # the rotation nearest to a (Kabsch): the polar factor u @ vt
+      ...     u, s, vt = jnp.linalg.svd(a)
+      ...     return (u @ vt)[0, 1]
+      >>> jax.grad(rotation)(jnp.eye(2))  # s = (1, 1): 1/(s_j^2 - s_i^2) = inf
+      Array([[nan, nan],
+             [nan, nan]], dtype=float32)
+      >>> jax.grad(gk.override(rotation, gk.tables.broadened(eps=1e-8)))(jnp.eye(2))
+      Array([[ 0. ,  0.5],
+             [-0.5,  0. ]], dtype=float32)
+    """
+    extra = {} if eps is None else {"eps": eps}
+    return RuleTable({key: _lib.make_rule("broadened", key, {"op": r.op, **extra},
+                                          where=f"gk.tables.broadened(eps={eps!r})")
+                      for r in _lib.BROADENED_FAMILY.values() for key in r.keys})
+
+
+BROADENED: RuleTable = broadened()
+
+
 def library() -> Mapping[str, _lib.LibraryRule]:
     """The named rules a config can use, by name (each has ``name``, ``doc``, ``params``, ``signature()``).
 
@@ -192,7 +275,9 @@ def describe(table: Mapping[str, object]) -> dict[str, str]:
             params = dict(key[2])
             family = _lib.FAMILIES.get(key[1])
             if family is not None and params.get("op") in family:
-                out[name] = f"{key[1]}: {family[params['op']].doc}"
+                extra = ", ".join(f"{k}={v!r}" for k, v in params.items() if k != "op")
+                label = f"{key[1]}({extra})" if extra else key[1]
+                out[name] = f"{label}: {family[params['op']].doc}"
             elif key[1] == "straight_through":
                 out[name] = "straight_through: identity gradient"
             else:

@@ -179,7 +179,8 @@ def test_rule_coverage_with_a_table():
     assert r.finite and r.findings == ()  # SAFE fixes this loss
     cov = r.coverage
     fired = dict(cov.fired)
-    assert fired == {"div": 2, "integer_pow": 1, "log": 1}  # (y - mu) / sigma and the mean's division
+    # (y - mu) / sigma and the mean's division; the product 0.5 * log(2 pi sigma^2)
+    assert fired == {"div": 2, "integer_pow": 1, "log": 1, "mul": 1}
     assert "atan2" in cov.never and "log" not in cov.never
     assert cov.table_size == len(gk.tables.SAFE)
     assert f"3 of {len(gk.tables.SAFE)} rules fired (div x2, integer_pow x1, log x1)" in str(r)

@@ -91,8 +91,14 @@ SAFE_FAMILY: dict[str, OpRule] = {r.op: r for r in [
     _safe("rem", "x/y: inf at y = 0"),
     _safe("atan2", "(y, -x)/(x^2+y^2): NaN at the origin"),
     _safe("pow", "y x^(y-1): inf/NaN at x = 0; x^y log x: NaN at x = 0"),
-    # Opt-in: it would wrap every multiplication of a model.
-    _safe("mul", "the other operand: x * log(x) is 0 * -inf at 0", table=None),
+    # Masks: derivatives that are 0 on part of the domain. In reverse mode an infinite cotangent
+    # from a singular op before them (arccos(clip(y)), sqrt(sum(x ** 2)) at 0) meets the 0 there.
+    _safe("max", "a 0/1 mask (0.5 at ties): inf * 0 in reverse mode behind clip, relu"),
+    _safe("min", "a 0/1 mask (0.5 at ties): inf * 0 in reverse mode behind clip"),
+    _safe("square", "2x: inf * 0 in reverse mode at x = 0 (a norm of a zero vector)"),
+    _safe("reduce_max", "a 0/1 mask over the maximal elements: inf * 0 in reverse mode"),
+    _safe("reduce_min", "a 0/1 mask over the minimal elements: inf * 0 in reverse mode"),
+    _safe("mul", "the other operand: x * log(x) is 0 * -inf at 0; a 0/1 mask times an infinite derivative"),
 ]}
 
 

@@ -4,12 +4,17 @@ A SAFE rule is a JVP rule built from JAX's own JVP rule of the primitive:
 gradkit traces ``jax.jvp`` of the primitive once per signature and re-plays
 that program with every product of the tangent by a primal quantity
 (``mul(t, d)``, ``div(t, d)``) replaced by :func:`compat.safe_scale`, which is
-0 wherever the tangent is 0. So, operation for operation:
+0 wherever the tangent is 0, and, for a product, also where the primal factor
+is 0 and the tangent infinite (``0 * inf`` is 0 both ways). So, operation for
+operation, each product in JAX's own order:
 
 * forward mode: the tangent is JAX's ``t * f'(x)``, and 0 wherever ``t`` is 0
   (``0 * inf`` and ``0 * NaN`` never happen);
 * reverse mode (JAX transposes the rule): the cotangent is JAX's own, in JAX's
-  order of operations, and 0 wherever the incoming cotangent is 0;
+  order of operations, and 0 wherever the incoming cotangent is 0 — or where
+  a mask applied after the op (``clip``'s, ``max``'s, a ``mul`` by 0) meets an
+  infinite cotangent, so reverse mode gives what forward mode gives where the
+  mask comes first;
 * higher orders: the primal quantities of the derivative (``0.5 / sqrt(x)``,
   ``y ** -2``) are themselves computed with safe derivatives, so a zero
   cotangent stays 0 through ``hessian`` and ``grad(grad(...))``.
@@ -40,17 +45,16 @@ from gradkit._src.rule import OpView
 _PRIMAL = "primal"  # the primitive itself on the primal inputs: the op's own output is used
 _VALUE = "value"  # a primal quantity (part of f'(x)): computed with safe derivatives of its own
 _SCALE = "scale"  # tangent times/over primal quantities: one safe_scale
-_SKIP = "skip"  # an inner step of a chain of scalings, folded into the chain's last step
 _LINEAR = "linear"  # any other operation on tangents (neg, add, convert, broadcast, ...): as is
 
 
 @dataclasses.dataclass(frozen=True)
 class _Scale:
-    """``±source ∘ d1 ∘ d2 ...`` (∘ is * or /), masked where ``source`` is 0."""
+    """``source * factor`` (or ``source / factor``), masked where ``source`` is 0 (and ``0 * inf`` both ways)."""
 
-    source: Any  # the tangent-side atom the chain starts from
-    factors: tuple[tuple[bool, Any], ...]  # (divide, primal atom), in JAX's forward order
-    negate: bool
+    source: Any  # the tangent-side atom
+    factor: Any  # the primal atom
+    divide: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,15 +116,6 @@ def _trace_program(prim: Any, params: tuple[tuple[str, Any], ...], structs: tupl
     eqns = list(jaxpr.eqns)
     primal_vars = list(jaxpr.invars[:len(structs)])
     linear = set(jaxpr.invars[len(structs):])
-    uses: dict[Any, int] = {}
-    for eqn in eqns:
-        for a in eqn.invars:
-            if not compat.is_literal(a):
-                uses[a] = uses.get(a, 0) + 1
-    for a in jaxpr.outvars:
-        if not compat.is_literal(a):
-            uses[a] = uses.get(a, 0) + 2  # an output is never folded away
-    producer = {v: i for i, eqn in enumerate(eqns) for v in eqn.outvars}
     kinds: list[str] = []
     scales: list[_Scale | None] = []
     for eqn in eqns:
@@ -138,23 +133,9 @@ def _trace_program(prim: Any, params: tuple[tuple[str, Any], ...], structs: tupl
             if len(lin) == 2 and sum(lin) == 1 and (name == "mul" or (name == "div" and lin[0])):
                 src, factor = eqn.invars[lin.index(True)], eqn.invars[1 - lin.index(True)]
                 if not _finite_literal(factor):  # a product with a finite constant needs no mask
-                    kind, scale = _SCALE, _Scale(src, ((name == "div", factor),), False)
-                    # A chain (t * a) * b, possibly through neg, becomes one masked step, so the mask is
-                    # on the incoming tangent (in reverse mode: the incoming cotangent) only.
-                    negate, v, inner = False, src, []
-                    while v in producer and uses.get(v) == 1:
-                        j = producer[v]
-                        if eqns[j].primitive.name == "neg":
-                            negate, v = not negate, eqns[j].invars[0]
-                            inner.append(j)
-                            continue
-                        prev = scales[j]
-                        if kinds[j] == _SCALE and prev is not None:
-                            inner.append(j)
-                            scale = _Scale(prev.source, prev.factors + scale.factors, negate != prev.negate)
-                            for k in inner:
-                                kinds[k] = _SKIP
-                        break
+                    # Each product masked on its own, in JAX's order of operations: the values are
+                    # JAX's wherever nothing is 0 * inf, in forward and in reverse mode.
+                    kind, scale = _SCALE, _Scale(src, factor, name == "div")
         kinds.append(kind)
         scales.append(scale)
     return _Program(jaxpr, tuple(consts), tuple(kinds), tuple(scales))
@@ -179,10 +160,6 @@ def program(prim: Any, params: Any, inputs: Sequence[Any], diff: tuple[bool, ...
         return _trace_program(prim, items, structs, diff)
 
 
-_MUL = compat.primitive_by_name("mul")
-_DIV = compat.primitive_by_name("div")
-
-
 def as_dtype(x: Any, dtype: Any) -> Any:
     """``x`` as ``dtype``: a convert for JAX values (no ``jnp.asarray``: under ``vmap`` that is a
     ``device_put``, which makes JAX import and register more of itself), NumPy for constants."""
@@ -193,21 +170,10 @@ def as_dtype(x: Any, dtype: Any) -> Any:
 
 def _apply_scale(step: _Scale, env: dict[Any, Any], aval: Any) -> Any:
     shape, dtype = tuple(aval.shape), aval.dtype
-    factors = [(div, jnp.broadcast_to(as_dtype(compat.read_atom(env, a), dtype), shape)) for div, a in step.factors]
+    d = jnp.broadcast_to(as_dtype(compat.read_atom(env, step.factor), dtype), shape)
     u = compat.read_atom(env, step.source)
     u = jnp.broadcast_to(u, shape) if np.shape(u) != shape else u  # a rank-0 operand
-    if len(factors) == 1:
-        out = compat.safe_scale(u, factors[0][1], divide=factors[0][0])
-    else:
-        # One factor for the chain, combined in the order JAX's transposed chain applies them, so
-        # a unit cotangent gives JAX's value bit for bit: ((1 o dk) o ... ) o d1.
-        last_div, d = factors[-1]
-        if last_div:
-            d = safe_bind(_DIV, {}, [jnp.ones(shape, dtype), d])[0]
-        for div, f in reversed(factors[:-1]):
-            d = safe_bind(_DIV if div else _MUL, {}, [d, f])[0]
-        out = compat.safe_scale(u, d)
-    return lax.neg(out) if step.negate else out
+    return compat.safe_scale(u, d, divide=step.divide)
 
 
 def replay(prog: _Program, primals: Sequence[Any], tangents: Sequence[Any],
@@ -220,8 +186,6 @@ def replay(prog: _Program, primals: Sequence[Any], tangents: Sequence[Any],
     for v, x in zip(jaxpr.invars, [*primals, *tangents]):
         env[v] = x
     for eqn, kind, step in zip(jaxpr.eqns, prog.kinds, prog.scales):
-        if kind == _SKIP:
-            continue
         if kind == _SCALE:
             assert step is not None  # every scaled equation has its scale
             outs = [_apply_scale(step, env, eqn.outvars[0].aval)]

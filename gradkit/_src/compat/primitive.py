@@ -37,15 +37,49 @@ def safe_scale(t: Any, d: Any, *, divide: bool = False) -> Any:
 
     ``t`` and ``d`` must have the same shape and dtype. Where ``t`` is 0 the
     result is 0 whatever ``d`` is (``inf``, NaN), in value and at every order
-    of differentiation; elsewhere it is the plain product, bit for bit.
+    of differentiation; a product (not a quotient) is also 0 where ``d`` is 0
+    and ``t`` is infinite or NaN. Elsewhere it is the plain product, bit for bit.
     """
     t, d = match_varying([t, d])
     return safe_scale_p.bind(t, d, divide=bool(divide))
 
 
-def _safe_scale_value(t: Any, d: Any, *, divide: bool) -> Any:
+def _nonfinite(x: Any) -> Any:
+    """``x`` is inf or NaN (real or complex: ``x - x`` is NaN exactly then)."""
+    return _lax.ne(_lax.sub(x, x), _lax.full_like(x, 0))
+
+
+def _masked_operands(t: Any, d: Any, divide: bool) -> tuple[Any, Any]:
+    """The operands whose plain product (quotient) is the masked one.
+
+    Product: ``0 * inf`` and ``inf * 0`` are both 0 (TensorFlow's
+    ``multiply_no_nan`` convention, in both argument orders): an infinite or
+    NaN factor is replaced by 0 where the other one is 0. So a singular
+    derivative masked *after* it in reverse mode (``arccos(clip(y))``: the
+    cotangent ``-inf`` meets clip's 0 mask) gives 0, as forward mode does where
+    the mask comes first. Quotient: ``0 / d`` is 0 whatever ``d`` is (``d``
+    replaced by 1 where it is 0 or not finite), and ``inf / inf`` is 0 (the
+    product by ``1/d = 0``); ``t / 0`` is the singularity itself and stays. The operation on the masked operands is the plain one,
+    and elsewhere they are the operands themselves, so the result is ``t * d``
+    bit for bit, sign of zero included, and XLA fuses it (FMA contraction with
+    a following add) exactly as it fuses JAX's own product.
+    """
     zero = _lax.full_like(t, 0)
-    return _lax.select(_lax.eq(t, zero), zero, _lax.div(t, d) if divide else _lax.mul(t, d))
+    t_zero = _lax.eq(t, zero)
+    if divide:  # t / d is the product t * (1/d): 1/d is 0 where d is infinite
+        d_bad = _lax.bitwise_or(_lax.eq(d, zero), _nonfinite(d))
+        d_inf = _lax.bitwise_and(_nonfinite(d), _lax.eq(d, d))  # infinite, not NaN
+        t_out = _lax.select(_lax.bitwise_and(d_inf, _nonfinite(t)), zero, t)
+        return t_out, _lax.select(_lax.bitwise_and(t_zero, d_bad), _lax.full_like(d, 1), d)
+    d_zero = _lax.eq(d, zero)
+    t_out = _lax.select(_lax.bitwise_and(d_zero, _nonfinite(t)), zero, t)
+    d_out = _lax.select(_lax.bitwise_and(t_zero, _nonfinite(d)), zero, d)
+    return t_out, d_out
+
+
+def _safe_scale_value(t: Any, d: Any, *, divide: bool) -> Any:
+    tm, dm = _masked_operands(t, d, divide)
+    return _lax.div(tm, dm) if divide else _lax.mul(tm, dm)
 
 
 def _safe_scale_abstract_eval(t: Any, d: Any, *, divide: bool) -> Any:
@@ -65,9 +99,13 @@ def _safe_scale_jvp(primals: Sequence[Any], tangents: Sequence[Any], *, divide: 
     if type(dd) is not _ad.Zero:
         # d(t*d)/dd = t, d(t/d)/dd = -t/d^2: both 0 where t == 0, and the term is
         # selected away there, so an inf or NaN tangent of d never leaks through.
+        # Masked like the value: the term is 0 where the value is masked to 0.
         coef = t if not divide else _lax.neg(safe_scale(safe_scale(t, d, divide=True), d, divide=True))
         zero = _lax.full_like(t, 0)
-        terms.append(_lax.select(_lax.eq(t, zero), _lax.full_like(dd, 0), _lax.mul(coef, dd)))
+        dropped = _lax.eq(t, zero)
+        d_masks = _lax.bitwise_and(_nonfinite(d), _lax.eq(d, d)) if divide else _lax.eq(d, zero)
+        dropped = _lax.bitwise_or(dropped, _lax.bitwise_and(d_masks, _nonfinite(t)))
+        terms.append(_lax.select(dropped, _lax.full_like(dd, 0), _lax.mul(coef, dd)))
     if not terms:
         return out, _ad.Zero.from_primal_value(out)  # type: ignore[attr-defined]
     return out, terms[0] if len(terms) == 1 else _lax.add(terms[0], terms[1])
