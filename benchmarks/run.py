@@ -291,10 +291,11 @@ def _extra_rows() -> list[Callable[[bool], list[dict[str, Any]]]]:
     import bench_custom_gradient
     import bench_f32_backward
     import bench_guard
+    import bench_safe
     import trace_cost
 
     return [*trace_cost.ROWS, bench_custom_gradient.rows, bench_guard.rows, bench_f32_backward.rows,
-            bench_cache_memory.rows]
+            bench_cache_memory.rows, bench_safe.rows]
 
 
 ROWS = [row_elementwise, row_mlp, row_scan, row_vmapped, row_stable, row_stable_floor, row_table_size, row_eager_calls,

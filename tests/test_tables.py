@@ -101,6 +101,17 @@ def test_safe_is_bit_identical_on_non_singular_functions(name):
                                   np.asarray(jax.jit(jax.grad(f))(x)))
 
 
+@pytest.mark.parametrize("name", sorted(SINGLE_OPS))
+def test_safe_forward_mode_is_jaxs_jvp_bit_for_bit(name):
+    """Forward mode too: each product of JAX's JVP in JAX's order (no re-associated chains)."""
+    fn = SINGLE_OPS[name]
+    x = jax.random.uniform(jax.random.key(0), (257,), minval=0.1, maxval=3.0)
+    t = jax.random.uniform(jax.random.key(1), (257,), minval=-2.0, maxval=2.0)
+    got = jax.jit(lambda x, t: jax.jvp(gk.override(fn, SAFE), (x,), (t,))[1])(x, t)
+    want = jax.jit(lambda x, t: jax.jvp(fn, (x,), (t,))[1])(x, t)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 @pytest.mark.parametrize("name", sorted(UNMATCHED))
 def test_safe_leaves_programs_without_safe_ops_bit_identical(name):
     f = UNMATCHED[name]
