@@ -36,8 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from gradkit import stable as st
+from gradkit._src import broadened_rules, safe_rules, stable_rules
 from gradkit._src import numerics as _k
-from gradkit._src import safe_rules, stable_rules
 from gradkit._src.compat import FUNCTION_PREFIX
 from gradkit._src.errors import GradkitError, near_misses
 from gradkit._src.rule import OpView, Rule
@@ -160,6 +160,17 @@ STABLE_FAMILY: dict[str, OpRule] = {r.op: r for r in [
 ]}
 
 FAMILIES: dict[str, dict[str, OpRule]] = {"safe": SAFE_FAMILY, "stable": STABLE_FAMILY}
+
+# Degenerate eigh / svd: Lorentzian-broadened 1/gap factors (gradkit/_src/broadened_rules.py). Its own rule,
+# `broadened`, with an `eps` parameter; the family records are what `op` may name.
+BROADENED_FAMILY: dict[str, OpRule] = {r.op: r for r in [
+    OpRule("eigh", "dV = V (F o V^T dA V), F_ij = broadened 1/(w_j - w_i): finite at repeated eigenvalues",
+           functools.partial(broadened_rules.eigh_jvp, None, "gradkit.broadened[eigh]"), ("eigh",), "BROADENED"),
+    OpRule("svd", "dU, dV with 1/(s_j - s_i) and 1/s broadened, 1/(s_j + s_i) exact: finite at repeated or "
+           "zero singular values", functools.partial(broadened_rules.svd_jvp, None, "gradkit.broadened[svd]"), ("svd",),
+           "BROADENED"),
+]}
+FAMILIES["broadened"] = BROADENED_FAMILY
 
 
 def ready_table(family: str, table: str) -> dict[str, Rule]:
@@ -330,6 +341,20 @@ LIBRARY: dict[str, LibraryRule] = {r.name: r for r in [
                 (Param("lo", "float", "lower bound", default=-math.inf),
                  Param("hi", "float", "upper bound", default=math.inf)), _clip),
 ]}
+
+
+def _broadened(params: Mapping[str, Any], op_name: str) -> Rule:
+    target = params["op"]
+    label = f"gradkit.broadened[{target}]"
+    return Rule(broadened_rules.BUILDERS[target](params.get("eps"), label), mode="jvp", name=label)
+
+
+LIBRARY["broadened"] = LibraryRule(
+    "broadened", "eigh / svd derivatives with Lorentzian-broadened 1/gap factors, x/(x^2 + eps scale^2): finite "
+    "at repeated eigenvalues or singular values; all modes.",
+    (Param("op", "str", "which broadened rule to use (eigh, svd)", default=None),
+     Param("eps", "float", "the broadening, relative to the spectrum's scale squared (default: 1e-12 in "
+           "float64, 1e-9 in float32)", default=None, check=_positive)), _broadened, op_dependent=True)
 
 
 def _check_value(rule: LibraryRule, p: Param, value: Any, where: str) -> Any:
