@@ -154,7 +154,7 @@ def fd64(f, x, h=1e-6):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-@settings(max_examples=25, **SETTINGS)
+@settings(max_examples=10, **SETTINGS)
 @given(prog=programs(3), vals=st.lists(st.sampled_from(SPECIAL), min_size=N, max_size=N))
 def test_forward_and_reverse_agree_at_singular_points(dtype, prog, vals):
     with jax.enable_x64(dtype == "float64"):
@@ -170,7 +170,7 @@ def test_forward_and_reverse_agree_at_singular_points_long(dtype, prog, vals):
         check_modes(build(prog), jnp.asarray(vals, dtype))
 
 
-@settings(max_examples=20, **SETTINGS)
+@settings(max_examples=8, **SETTINGS)
 @given(prog=programs(3), vals=st.lists(st.floats(0.15, 0.85), min_size=N, max_size=N))
 def test_matches_float64_finite_differences_where_smooth(prog, vals):
     """Inside (0, 1), away from every singular point and kink: SAFE is the true derivative."""
