@@ -217,8 +217,8 @@ def test_agrees_with_jit_on_any_call_sequence(kind, calls):
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", list(MAKERS))
 @pytest.mark.parametrize("jit_outer", [False, True])
-@settings(max_examples=40, **SETTINGS)
-@given(calls=st.lists(CALLS, min_size=4, max_size=12))
+@settings(max_examples=5, **SETTINGS)
+@given(calls=st.lists(CALLS, min_size=4, max_size=8))
 def test_agrees_with_jit_on_any_call_sequence_long(kind, jit_outer, calls):
     check_sequence(MAKERS[kind], calls, jit_outer)
 
