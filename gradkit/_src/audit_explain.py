@@ -166,7 +166,15 @@ def step(sel: Selection, input_names: dict[Any, str]) -> Step:
     place = ", ".join(w for w in where(ctx, sel.iterations).split(", ") if not w.startswith("inside `"))
     size = int(next(iter(sel.masks.values())).size) if sel.masks else 0
     return Step(b.name, b.phase, b.kind, file, line, func, place, msg, _code(b.eqn, ctx), via(b), b.is_rule,
-                sel.count, size, _elements(sel, input_names))
+                _distinct(sel), size, _elements(sel, input_names))
+
+
+def _distinct(sel: Selection) -> int:
+    """Elements selected, an index selected in several operands' cotangents counted once."""
+    masks = [m.reshape(-1) for m in sel.masks.values()]
+    if masks and len({m.size for m in masks}) == 1:
+        return int(np.any(np.stack(masks), axis=0).sum())
+    return sel.count
 
 
 # --------------------------------------------------------------------------- elements
@@ -214,7 +222,9 @@ def _elements(sel: Selection, input_names: dict[Any, str]) -> tuple[Element, ...
             if not vals:  # no operand lines up with the result: show the result
                 vals.append(("result", float(np.real(np.asarray(occ.outvals[pos]).reshape(-1)[int(e)]))))
             on_input = len(ks) == 1 and _input_name(b, ks[0], input_names) is not None
-            out.append(Element(idx, tuple(vals), it, on_input))
+            el = Element(idx, tuple(vals), it, on_input)
+            if el not in out:  # a backward birth in both operands' cotangents: one element, listed once
+                out.append(el)
     return tuple(out)
 
 

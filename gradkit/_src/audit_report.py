@@ -93,17 +93,27 @@ class Fix:
     """A suggested fix and, when it could be applied, the re-run verdict.
 
     Attributes:
-      kind: ``"table"`` (apply a rule table with ``gk.override``) or ``"code"``
-        (replace an expression with a stable function).
-      name: what to use: ``"gradkit.tables.SAFE"``, ``"gradkit.stable.log1pexp"``.
+      kind: ``"table"`` (apply a rule table with ``gk.override``), ``"code"``
+        (replace an expression with a stable function) or ``"none"`` (no route
+        verified: ``advice`` says what was re-run).
+      name: what to use: ``"gradkit.tables.SAFE"``, ``'gradkit.tables.SAFE | {"mul": "safe"}'``,
+        ``"gradkit.stable.log1pexp"``.
       advice: one sentence saying what to change, where.
       applied: whether audit could apply it to re-run the gradient.
       finite: the gradient is finite with the fix (None: not run).
       matches_fd: it matches float64 finite differences on the compared elements.
       max_rel_err: the largest relative error there.
-      compared: elements compared; ``excluded`` elements left out (finite
-        differences undefined: a kink, a jump, a non-finite value).
+      compared: elements compared one by one; ``directions``: random directions
+        compared (a large input); ``excluded`` elements or directions left out
+        (finite differences undefined: a kink, a jump, a pole, a non-finite value).
       note: why it was not applied, or what the re-run found.
+      checked_with: the equivalent fix audit re-ran, when this one could not be (unused: every route is
+        re-run as itself).
+      expression: how to apply it, as code: the table (``gk.tables.SAFE | {"mul": "safe"}``, for
+        ``gk.override(fn, ...)``) or the call that replaces the expression (``gk.stable.log1pexp(logits)``).
+      location: ``file.py:12``, the line to change (a code fix); ``replaces`` the source text replaced.
+      value_same: the forward value is unchanged wherever it was finite (or no farther from its float64
+        value); ``value_note`` says how it compares (``None``/"" when not re-run).
     """
 
     kind: str
@@ -116,30 +126,48 @@ class Fix:
     compared: int = 0
     excluded: int = 0
     note: str = ""
-    checked_with: str = ""  # the equivalent fix audit re-ran, when this one is a code change it cannot make
+    checked_with: str = ""
+    expression: str = ""
+    location: str = ""
+    replaces: str = ""
+    directions: int = 0
+    value_same: bool | None = None
+    value_note: str = ""
 
     @property
     def verified(self) -> bool:
-        return bool(self.applied and self.finite and self.matches_fd)
+        """Re-run: the gradient is finite, matches float64 finite differences, the forward value is the same."""
+        return bool(self.applied and self.finite and self.matches_fd and self.value_same is not False)
+
+    def _compared(self) -> str:
+        parts = [f"{self.compared} element(s)"] if self.compared or not self.directions else []
+        if self.directions:
+            parts.append(f"{self.directions} random direction(s)")
+        return " and ".join(parts)
 
     def verdict(self) -> str:
+        if self.kind == "none":
+            return self.note or "no route verified"
         if not self.applied:
             return f"not re-run: {self.note}" if self.note else "not re-run"
         if self.checked_with:
             return (f"(with the equivalent {gk_name(self.checked_with)}) "
                     + dataclasses.replace(self, checked_with="").verdict())
+        value = f"; {self.value_note}" if self.value_note else ""
         if not self.finite:
-            return "gradient still non-finite" + (f" ({self.note})" if self.note else "")
-        excl = (f"; {self.excluded} element(s) left out where finite differences are undefined "
-                "(a kink, a jump or a non-finite value)"
+            return "gradient still non-finite" + (f" ({self.note})" if self.note else "") + value
+        excl = (f"; {self.excluded} left out where finite differences are undefined "
+                "(a kink, a jump, a pole or a non-finite value)"
                 if self.excluded else "")
         if self.matches_fd is None:
-            return f"gradient finite; not compared with finite differences ({self.note or 'no comparable element'})"
+            return (f"gradient finite; not compared with finite differences "
+                    f"({self.note or 'no comparable element'}){value}")
         if self.matches_fd:
-            return (f"gradient finite, matches float64 finite differences on {self.compared} element(s) "
-                    f"(max rel err {fmt(self.max_rel_err)}){excl}")
+            head = "verified: " if self.verified else ""
+            return (f"{head}gradient finite, matches float64 finite differences on {self._compared()} "
+                    f"(max rel err {fmt(self.max_rel_err)}){excl}{value}")
         return (f"gradient finite but differs from float64 finite differences (max rel err "
-                f"{fmt(self.max_rel_err)} on {self.compared} element(s)){excl}")
+                f"{fmt(self.max_rel_err)} on {self._compared()}){excl}{value}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,13 +312,16 @@ def _indices(name: str, idx: tuple[tuple[int, ...], ...], count: int) -> str:
 
 def render(r: AuditReport) -> str:
     """The human-readable report (what ``print(report)`` and ``gradkit audit`` show)."""
-    status = "ok" if r.ok else ("FINDING" if not r.finite else "SWEEP FINDING")
+    value_bad = r.value.startswith("NON-FINITE")
+    status = ("FINDING" if not r.finite else "SWEEP FINDING" if not r.ok else "VALUE" if value_bad else "ok")
     head = f"{r.function}({', '.join(r.inputs)})"
     lines = [f"{status:<8} {head}" + (f"   [{r.source}]" if r.source else "")]
     ind = " " * 9
     lines.append(f"{ind}value     {r.value}")
     if r.finite:
-        lines.append(f"{ind}gradient  finite for every input")
+        lines.append(f"{ind}gradient  finite for every input"
+                     + ("; the value is not: check the loss itself (its inputs, a log of 0, an overflow)"
+                        if value_bad else ""))
     else:
         at = dict(r.nonfinite_at)
         bad = [f"{n} ({b} of {s}{_indices(n, at.get(n, ()), b)})" for n, b, s in r.gradients if b]
@@ -316,8 +347,11 @@ def render(r: AuditReport) -> str:
             lines.append(f"{ind}fix       {f.fix.advice}")
             lines.append(f"{ind}re-run    {f.fix.verdict()}")
         for a in f.alternatives:
-            if a.verified:
-                lines.append(f"{ind}also      {gk_name(a.name)} (re-run: finite, matches finite differences)")
+            if f.fix is not None and f.fix.kind == "none" and a.applied:
+                lines.append(f"{ind}tried     {a.expression or gk_name(a.name)}: {a.verdict()}")
+            elif a.verified:
+                lines.append(f"{ind}also      {a.expression or gk_name(a.name)} (re-run: finite, matches finite "
+                             "differences, same value)")
             elif a.kind == "code" and not a.applied:
                 advice = a.advice[0].lower() + a.advice[1:] if a.advice.startswith("Or") else a.advice
                 lines.append(f"{ind}also      {'' if advice.startswith('or ') else 'or '}{advice}")

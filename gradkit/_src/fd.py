@@ -1,10 +1,17 @@
 """Finite differences: the one helper ``check_grads``, ``compare`` and ``audit`` share.
 
 :func:`differences` evaluates a function at ``x ± step`` along some flat
-coordinates of ``x`` (one ``vmap``-ed, jitted call when the function allows)
-and returns the central differences, and on request the one-sided ones,
-which tell a kink or a jump (left and right differ) from a derivative.
-Callers run it under ``jax.enable_x64`` with float64 inputs.
+coordinates of ``x`` and returns the central differences, and on request
+the one-sided ones, which tell a kink or a jump (left and right differ)
+from a derivative. Callers run it under ``jax.enable_x64`` with float64
+inputs.
+
+Memory is bounded whatever the size of ``x``: :func:`evaluate` computes the
+perturbed points in batches — one jitted ``vmap`` per batch, the point made
+inside it from ``x``, an index and a step (:func:`along_coordinate`,
+:func:`along_direction`) — holding at most ``BUDGET`` bytes of perturbed
+copies of ``x`` at a time (a 1M-element float64 input: 8 copies), never one
+copy per point.
 """
 
 from __future__ import annotations
@@ -26,6 +33,53 @@ def call_jit(f: Callable[..., Any], *args: Any) -> Any:
         return jax.jit(f)(*args)
     except NOT_JITTABLE:
         return f(*args)
+
+
+BUDGET = 64 << 20  # bytes of perturbed copies of the input that one batched evaluation holds
+
+
+def batch_size(x: Any, points: int) -> int:
+    """How many perturbed copies of ``x`` one batch evaluates (at least 1, at most ``points``)."""
+    nbytes = int(np.size(x)) * np.dtype(getattr(x, "dtype", np.float64)).itemsize
+    return int(max(1, min(points, BUDGET // max(nbytes, 1))))
+
+
+def along_coordinate(x: jax.Array, c: Any, s: Any) -> jax.Array:
+    """``x`` with ``s`` added to its flat element ``c``."""
+    return x.reshape(-1).at[c].add(s.astype(x.dtype)).reshape(x.shape)
+
+
+def along_direction(x: jax.Array, v: Any, s: Any) -> jax.Array:
+    """``x + s v`` (``v`` flat, of ``x``'s size)."""
+    return x + (s * v).astype(x.dtype).reshape(x.shape)
+
+
+def evaluate(h: Callable[[Any], Any], x: Any, perturb: Callable[[jax.Array, Any, Any], jax.Array],
+             dirs: np.ndarray, rows: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """``ravel(h(perturb(x, dirs[rows[k]], scales[k])))`` for every ``k``, stacked: ``(len(scales), size of h(x))``.
+
+    In batches of :func:`batch_size` points, each one jitted ``vmap`` (the last
+    padded to the same size: one compilation). A function that does not
+    ``vmap`` is called once per point, jitted where it allows.
+    """
+    x = jnp.asarray(x)
+    m = len(scales)
+    flat = lambda d, s: jnp.ravel(h(perturb(x, d, s)))
+    if m == 0:
+        return np.zeros((0, int(np.prod(jax.eval_shape(lambda: h(x)).shape, dtype=int))))
+    c = batch_size(x, m)
+    try:
+        run = jax.jit(jax.vmap(flat))
+        out = []
+        for i in range(0, m, c):
+            idx = np.arange(i, i + c).clip(max=m - 1)
+            vals = run(jnp.asarray(dirs[rows[idx]]), jnp.asarray(scales[idx]))
+            out.append(np.asarray(vals, dtype=np.float64)[: min(c, m - i)])
+        return np.concatenate(out)
+    except Exception:  # a function that does not vmap or jit (a host callback, concrete values): point by point
+        pass
+    return np.stack([np.asarray(call_jit(flat, jnp.asarray(dirs[rows[k]]), jnp.asarray(scales[k])),
+                                dtype=np.float64) for k in range(m)])
 
 
 def select_coords(n: int, limit: int, must: Sequence[int] = ()) -> np.ndarray:
@@ -73,25 +127,21 @@ def differences(h: Callable[[Any], Any], x: Any, coords: np.ndarray, step: float
       coords: flat indices into ``x`` to perturb, one at a time.
       step: the step, one for all coordinates or one per coordinate.
       one_sided: also evaluate ``h(x)`` and return the one-sided differences.
+
+    Memory: at most :data:`BUDGET` bytes of perturbed copies of ``x`` at a time
+    (:func:`evaluate`), and the values ``(2 len(coords), size of h(x))``.
     """
     x = jnp.asarray(x)
     m = len(coords)
     steps = np.broadcast_to(np.asarray(step, dtype=np.float64), (m,))
-    rows = np.zeros((m, x.size), dtype=np.dtype(x.dtype))
-    rows[np.arange(m), coords] = steps
-    basis = jnp.asarray(rows.reshape((m,) + x.shape))
-    points = [x[None] + basis, x[None] - basis] + ([x[None]] if one_sided else [])
-    flat_h = lambda v: jnp.ravel(h(v))
-    try:
-        vals = np.asarray(call_jit(jax.vmap(flat_h), jnp.concatenate(points)), dtype=np.float64)
-    except Exception:  # a function that does not vmap: one call per point
-        vals = np.stack([np.asarray(flat_h(p), dtype=np.float64) for p in jnp.concatenate(points)])
+    coords = np.asarray(coords, dtype=np.int64)
+    vals = evaluate(h, x, along_coordinate, coords, np.tile(np.arange(m), 2), np.concatenate([steps, -steps]))
     plus, minus = vals[:m], vals[m:2 * m]
     finite = np.isfinite(plus) & np.isfinite(minus)
     central = (_diff(plus, minus, 2 * steps[:, None])).T
     forward = backward = None
     if one_sided:
-        f0 = vals[2 * m:2 * m + 1]
+        f0 = np.asarray(call_jit(lambda v: jnp.ravel(h(v)), x), dtype=np.float64)[None, :]
         finite &= np.isfinite(f0)
         forward = _diff(plus, f0, steps[:, None]).T
         backward = _diff(f0, minus, steps[:, None]).T
