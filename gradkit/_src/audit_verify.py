@@ -2,9 +2,10 @@
 
 A :class:`Reference` holds the audited function's central differences in
 float64 at the audited point, computed once and compared with each fix's
-gradient (:meth:`Reference.compare`; :func:`fd_check` for one gradient). The
-differentiated inputs are concatenated into one flat vector ``x``; each
-perturbed point is ``x + s u`` with ``u`` one coordinate — every coordinate
+gradient (:meth:`Reference.compare`; :func:`fd_check` for one gradient). Each
+differentiated input ``x`` is perturbed in turn, the others held (a model's
+small bias vector then costs little next to its weights); each perturbed
+point is ``x + s u`` with ``u`` one coordinate — every coordinate
 of an input of at most ``_COORDS`` elements, ``_COORDS`` of one up to
 ``_MANY``, ``_LARGE_COORDS`` of a larger one, its non-finite gradient
 elements first — or, for the rest of the inputs too large to take whole, a
@@ -74,14 +75,13 @@ class FDResult:
 
 @dataclasses.dataclass(frozen=True)
 class _Diffs:
-    """Float64 differences of the function along the inputs concatenated into one flat vector.
+    """Float64 differences of the function along one input (the others held).
 
-    ``coords``: flat indices into the concatenation (``owner``: the input of each);
-    ``dirs``: random directions over the inputs too large to take coordinate by coordinate.
+    ``coords``: flat indices into the input; ``dirs``: random directions over
+    the rest of an input too large to take coordinate by coordinate.
     """
 
     coords: np.ndarray
-    owner: np.ndarray
     central: np.ndarray
     usable: np.ndarray
     dirs: np.ndarray
@@ -116,13 +116,6 @@ def _exact(perturb: Callable[[jax.Array, Any, Any], jax.Array]) -> Callable[[jax
     return lambda x, d, s: jnp.where(s == 0, x, perturb(x, d, s))
 
 
-def _like(part: jax.Array, like: jax.Array) -> jax.Array:
-    """A slice of the concatenated inputs back in its input's dtype (a real input next to a complex one)."""
-    if jnp.iscomplexobj(part) and not jnp.iscomplexobj(like):
-        part = jnp.real(part)
-    return part.astype(like.dtype)
-
-
 class Reference:
     """The audited function in float64 at the audited point: its values and finite differences, computed once.
 
@@ -135,7 +128,7 @@ class Reference:
     def __init__(self, prog: Program, must: Sequence[Sequence[int]] = ()) -> None:
         self.prog = prog
         self.must = [list(m) for m in must]
-        self._diffs: _Diffs | None = None
+        self._diffs: list[_Diffs] | None = None
         self._values: list[np.ndarray] | None = None
         self._valued = False
 
@@ -151,83 +144,78 @@ class Reference:
                 self._values = None
         return self._values
 
-    def differences(self) -> _Diffs:
-        """The differences (computed at the first call: one batched evaluation, a second for directions)."""
+    def differences(self) -> list[_Diffs]:
+        """The differences along each input (computed at the first call: one batched evaluation per input,
+        a second for the directions of a large one)."""
         if self._diffs is None:
             with jax.enable_x64(True):
-                self._diffs = self._compute()
+                prog64 = self.prog.cast(to_f64)
+                dyn64 = [jnp.asarray(v) for v in prog64.dyn]
+                self._diffs = [self._along(prog64, dyn64, pos) for pos in range(len(dyn64))]
         return self._diffs
 
-    def _compute(self) -> _Diffs:
-        prog64 = self.prog.cast(to_f64)
-        dyn64 = [jnp.asarray(v) for v in prog64.dyn]
-        sizes = [int(v.size) for v in dyn64]
-        offsets = [int(o) for o in np.cumsum([0] + sizes)]
-        x = jnp.concatenate([jnp.ravel(v) for v in dyn64])
+    def _along(self, prog64: Program, dyn64: list[jax.Array], pos: int) -> _Diffs:
+        def total(v: jax.Array, *held: jax.Array) -> jax.Array:  # the other inputs passed in, not constants
+            d = list(held)
+            d.insert(pos, v)
+            return jnp.asarray(sum(jnp.sum(jnp.real(o).astype(jnp.float64)) for o in prog64.call(d)))
 
-        def total(v: jax.Array) -> jax.Array:
-            parts = [_like(v[a:b].reshape(d.shape), d) for a, b, d in zip(offsets, offsets[1:], dyn64)]
-            return jnp.asarray(sum(jnp.sum(jnp.real(o).astype(jnp.float64)) for o in prog64.call(parts)))
-
-        xf = np.asarray(x)
-        coords, owner, skip = [], [], np.ones(x.size, bool)
-        for pos, n in enumerate(sizes):
-            keep = [int(i) for i in (self.must[pos] if pos < len(self.must) else ())]
-            local = select_coords(n, _COORDS if n <= _MANY else _LARGE_COORDS, keep)
-            coords.append(offsets[pos] + local)
-            owner.append(np.full(len(local), pos))
-            if len(local) < n:  # too large to take whole: random directions over the rest
-                skip[offsets[pos]:offsets[pos + 1]] = False
-                skip[offsets[pos] + np.asarray(keep, dtype=np.int64)] = True
-        c = np.concatenate(coords).astype(np.int64)
-        steps = _STEP * np.maximum(1.0, np.abs(xf[c]))
-        small = np.flatnonzero((np.abs(xf[c]) > 0) & (1e-3 * np.abs(xf[c]) < steps))  # also at 1e-3 |x|
-        all_s = np.concatenate([steps, 1e-3 * np.abs(xf[c[small]])])
-        dirs = np.append(np.concatenate([c, c[small]]), 0)
+        x = dyn64[pos]
+        held = dyn64[:pos] + dyn64[pos + 1:]
+        n = int(x.size)
+        xf = np.asarray(x).reshape(-1)
+        keep = [int(i) for i in (self.must[pos] if pos < len(self.must) else ())]
+        c = select_coords(n, _COORDS if n <= _MANY else _LARGE_COORDS, keep).astype(np.int64)
+        ax = np.abs(xf[c])
+        steps = _STEP * np.maximum(1.0, ax)
+        small = np.flatnonzero((ax > 0) & (1e-3 * ax < steps))  # also tried at 1e-3 |x|: next to a singularity
+        all_s = np.concatenate([steps, 1e-3 * ax[small]])
         rows = np.append(np.repeat(np.arange(len(all_s)), 4), len(all_s))  # and one point at x itself
-        vals = evaluate(total, x, _exact(along_coordinate), dirs, rows,
-                        np.append((all_s[:, None] * _SIDES).reshape(-1), 0.0))[:, 0]
+        vals = evaluate(total, x, _exact(along_coordinate), np.append(np.concatenate([c, c[small]]), 0), rows,
+                        np.append((all_s[:, None] * _SIDES).reshape(-1), 0.0), held)[:, 0]
         f0 = float(vals[-1])
         central, usable = _central(vals[:-1].reshape(-1, 4), all_s, f0)
         central, usable, again, again_ok = central[:len(c)], usable[:len(c)], central[len(c):], usable[len(c):]
         better = ~usable[small] & again_ok  # unusable at the usual step, a derivative at the small one
         central[small[better]], usable[small[better]] = again[better], True
-        vs, dc, du = np.zeros((0, x.size)), np.zeros(0), np.zeros(0, bool)
-        if not skip.all():
-            skip[c[~usable]] = True  # elements whose own difference is undefined stay out of the directions
-            rng = np.random.RandomState(0)
-            vs = np.where(skip, 0.0, rng.choice([-1.0, 1.0], (_DIRECTIONS, x.size)) * np.maximum(1.0, np.abs(xf)))
+        vs, dc, du = np.zeros((0, n)), np.zeros(0), np.zeros(0, bool)
+        if len(c) < n:  # the rest of a large input: random directions, skipping the known singular elements
+            skip = np.zeros(n, bool)
+            skip[c[~usable]] = True
+            skip[np.asarray(keep, dtype=np.int64)] = True
+            rng = np.random.RandomState(pos)
+            vs = np.where(skip, 0.0, rng.choice([-1.0, 1.0], (_DIRECTIONS, n)) * np.maximum(1.0, np.abs(xf)))
             dvals = evaluate(total, x, along_direction, vs, np.repeat(np.arange(_DIRECTIONS), 4),
-                             (np.full((_DIRECTIONS, 1), _STEP) * _SIDES).reshape(-1))[:, 0]
+                             (np.full((_DIRECTIONS, 1), _STEP) * _SIDES).reshape(-1), held)[:, 0]
             dc, du = _central(dvals.reshape(-1, 4), np.full(_DIRECTIONS, _STEP), f0)
-        return _Diffs(c, np.concatenate(owner), central, usable, vs, dc, du)
+        return _Diffs(c, central, usable, vs, dc, du)
 
     def compare(self, grads: Sequence[np.ndarray]) -> FDResult:
         """``grads`` (one per input) against the differences, where they are defined."""
         try:
-            d = self.differences()
+            diffs = self.differences()
         except Exception as e:  # the function does not run in float64: no comparison, and the report says why
             return FDResult(None, None, note=f"finite differences in float64 failed: {type(e).__name__}: "
                                              f"{one_line(str(e))}")
-        gf = np.concatenate([np.real(np.asarray(g)).astype(np.float64).reshape(-1) for g in grads])
-        rtols = [GRAD_RTOL.get(np.dtype(np.asarray(g).dtype), 2e-3) for g in grads]
         ok, worst = True, 0.0
-        for pos, rtol in enumerate(rtols):
-            sel = d.usable & (d.owner == pos)
-            if sel.any():
-                cd, gu = d.central[sel], gf[d.coords[sel]]
+        compared = directions = excluded = 0
+        for d, g in zip(diffs, grads):
+            gf = np.real(np.asarray(g)).astype(np.float64).reshape(-1)
+            rtol = GRAD_RTOL.get(np.dtype(np.asarray(g).dtype), 2e-3)
+            if d.usable.any():
+                cd, gu = d.central[d.usable], gf[d.coords[d.usable]]
                 atol = 0.1 * rtol * float(np.max(np.abs(cd)))
                 ok &= bool(np.all(np.abs(gu - cd) <= atol + rtol * np.abs(cd)))
                 worst = max(worst, float(np.max(np.abs(gu - cd) / (np.abs(cd) + atol / rtol + 1e-300))))
-        rtol = max(rtols, default=2e-3)
-        for k in np.flatnonzero(d.dir_usable):
-            fdv = float(d.dir_central[k])
-            mag = float(np.abs(d.dirs[k]) @ np.abs(gf)) + abs(fdv)
-            err = abs(float(d.dirs[k] @ gf) - fdv)
-            ok &= err <= rtol * mag
-            worst = max(worst, err / (mag + 1e-300))
-        compared, directions = int(d.usable.sum()), int(d.dir_usable.sum())
-        excluded = int((~d.usable).sum()) + int((~d.dir_usable).sum())
+            for k in np.flatnonzero(d.dir_usable):
+                fdv = float(d.dir_central[k])
+                mag = float(np.abs(d.dirs[k]) @ np.abs(gf)) + abs(fdv)
+                err = abs(float(d.dirs[k] @ gf) - fdv)
+                ok &= err <= rtol * mag
+                worst = max(worst, err / (mag + 1e-300))
+            compared += int(d.usable.sum())
+            directions += int(d.dir_usable.sum())
+            excluded += int((~d.usable).sum()) + int((~d.dir_usable).sum())
         if compared == 0 and directions == 0:
             return FDResult(None, None, 0, 0, excluded, "no element where finite differences are defined")
         return FDResult(ok, worst, compared, directions, excluded)

@@ -54,31 +54,33 @@ def along_direction(x: jax.Array, v: Any, s: Any) -> jax.Array:
     return x + (s * v).astype(x.dtype).reshape(x.shape)
 
 
-def evaluate(h: Callable[[Any], Any], x: Any, perturb: Callable[[jax.Array, Any, Any], jax.Array],
-             dirs: np.ndarray, rows: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """``ravel(h(perturb(x, dirs[rows[k]], scales[k])))`` for every ``k``, stacked: ``(len(scales), size of h(x))``.
+def evaluate(h: Callable[..., Any], x: Any, perturb: Callable[[jax.Array, Any, Any], jax.Array],
+             dirs: np.ndarray, rows: np.ndarray, scales: np.ndarray, args: Sequence[Any] = ()) -> np.ndarray:
+    """``ravel(h(perturb(x, dirs[rows[k]], scales[k]), *args))`` for every ``k``: ``(len(scales), size of h(x))``.
 
     In batches of :func:`batch_size` points, each one jitted ``vmap`` (the last
-    padded to the same size: one compilation). A function that does not
-    ``vmap`` is called once per point, jitted where it allows.
+    padded to the same size: one compilation); ``x`` and ``args`` are passed
+    in, not closed over, so no copy of them becomes a constant of the
+    compiled program. A function that does not ``vmap`` is called once per
+    point, jitted where it allows.
     """
     x = jnp.asarray(x)
     m = len(scales)
-    flat = lambda d, s: jnp.ravel(h(perturb(x, d, s)))
+    flat = lambda v, d, s, *a: jnp.ravel(h(perturb(v, d, s), *a))
     if m == 0:
-        return np.zeros((0, int(np.prod(jax.eval_shape(lambda: h(x)).shape, dtype=int))))
+        return np.zeros((0, int(np.prod(jax.eval_shape(lambda: h(x, *args)).shape, dtype=int))))
     c = batch_size(x, m)
     try:
-        run = jax.jit(jax.vmap(flat))
+        run = jax.jit(jax.vmap(flat, in_axes=(None, 0, 0) + (None,) * len(args)))
         out = []
         for i in range(0, m, c):
             idx = np.arange(i, i + c).clip(max=m - 1)
-            vals = run(jnp.asarray(dirs[rows[idx]]), jnp.asarray(scales[idx]))
+            vals = run(x, jnp.asarray(dirs[rows[idx]]), jnp.asarray(scales[idx]), *args)
             out.append(np.asarray(vals, dtype=np.float64)[: min(c, m - i)])
         return np.concatenate(out)
     except Exception:  # a function that does not vmap or jit (a host callback, concrete values): point by point
         pass
-    return np.stack([np.asarray(call_jit(flat, jnp.asarray(dirs[rows[k]]), jnp.asarray(scales[k])),
+    return np.stack([np.asarray(call_jit(flat, x, jnp.asarray(dirs[rows[k]]), jnp.asarray(scales[k]), *args),
                                 dtype=np.float64) for k in range(m)])
 
 
