@@ -43,6 +43,22 @@ rotation) survives, where broadening ``1/(s_j^2 - s_i^2)`` whole would lose
 it. ``H`` and the ``1/s`` of a non-square matrix are broadened too, for the
 pairs of zero singular values of a rank-deficient one.
 
+``full_matrices=True`` of a non-square matrix (JAX refuses it): the extra
+columns ``U_perp`` span the complement of the range, an arbitrary basis of
+it; they get ``dU_perp = -U (S^-1 V^T dA^T U_perp)`` (``S^-1`` broadened), the
+gauge ``U_perp^T dU_perp = 0``, so losses of their span are exact.
+
+What the answer means at a degeneracy. Inside a cluster of equal values the
+broadened factor is ~0 where the exact one is ``1/0``. A loss's cotangent
+there is ``F_ij (X_ij - X_ji)`` (``X = V^T dL/dV``): for a loss that sees the
+cluster only as a whole (the spectrum, a projector onto the whole cluster,
+the polar factor) ``X_ij - X_ji`` is 0 at and near the degeneracy, and 0 is
+the exact limit. For ``tr(f(A) M)``, ``f(A) = V f(w) V^T``, it is ``(f(w_j) -
+f(w_i)) (V^T M V)_ij``, whose limit with ``1/(w_j - w_i)`` is ``f'(w) (V^T M
+V)_ij``: finite, and dropped by the broadening. Second derivatives at a degeneracy differentiate
+a first derivative that is itself such a function, so they are not the limit
+either (``gradkit.tables`` says this to users).
+
 ``eps`` defaults per dtype. A computed gap of a degenerate pair is
 round-off, about ``u * scale`` (``u`` the machine epsilon), and the broadened
 factor turns the round-off asymmetry of the incoming cotangent (also ``~u``)
