@@ -29,8 +29,9 @@ matches functions by name.
   the operands of each product rather than its result, so XLA fuses it as it
   fuses JAX's): a gradient that was finite is unchanged, and a compiled
   ``jit(grad(...))`` or ``jit(jvp(...))`` is bit-identical to JAX's; when one
-  value receives three or more cotangents, XLA may sum them in another order
-  (last-bit differences).
+  value receives three or more cotangents, XLA may sum them in another order,
+  and where XLA's simplifier merges two of JAX's own quotients (JAX 0.8's
+  ``atanh``') SAFE keeps them apart (last-bit differences).
 
   What it does not fix:
 
@@ -113,20 +114,21 @@ matches functions by name.
   differentiates ``full_matrices=True`` for non-square matrices, which JAX
   refuses (the extra columns in the gauge ``U_perp^T dU_perp = 0``).
 
-  The answer is the true gradient where the loss depends on each cluster of
-  equal eigenvalues (singular values) only through what does not change
-  inside it: the spectrum alone (``sum(f(w))``, ``jnp.linalg.norm(a, 2)``),
-  the projector onto a *whole* cluster (``V_S V_S^T``, a subspace overlap,
-  a gauge-invariant tensor-network contraction), the polar factor ``U V^T``.
-  It is finite but *not* the true gradient where the loss weights a
-  cluster's vectors by functions of its values: a matrix function
-  ``V f(w) V^T`` or a reconstruction ``U S V^T`` (their true derivative has
-  ``f'(w)`` inside the cluster; the broadening drops it; use the function's
-  own rule, ``jax.scipy.linalg.expm``, or the matrix itself), second
-  derivatives at a degeneracy (the Hessian of ``sum(f(w))`` has ``f''``
-  there), and single vectors of a cluster, which have no derivative at all.
-  Real inputs only; complex inputs and ``subset_by_index`` raise a
-  ``[gradkit]`` error.
+  At a degeneracy the first derivative is the true gradient where the loss
+  depends on each cluster of equal eigenvalues (singular values) only
+  through what does not change inside it: the spectrum alone
+  (``sum(f(w))``, ``jnp.linalg.norm(a, 2)``), the projector onto a *whole*
+  cluster (``V_S V_S^T``, a subspace overlap, any contraction invariant under
+  rotations inside the cluster), the polar factor ``U V^T``. It is finite
+  but *not* the true gradient where the loss weights a cluster's vectors by
+  functions of its values: a matrix function ``V f(w) V^T`` or a
+  reconstruction ``U S V^T`` (the true derivative has ``f'(w)`` inside the
+  cluster, which the broadening drops: differentiate the matrix function
+  itself, ``jax.scipy.linalg.expm``, a polynomial, or the matrix); nor are
+  second and higher derivatives at a degeneracy, for any loss (the first
+  derivative is itself weighted by the cluster's values). Single vectors of
+  a cluster have no derivative at all. Real inputs only; complex inputs and
+  ``subset_by_index`` raise a ``[gradkit]`` error.
 
 Examples:
   >>> import jax, jax.numpy as jnp, gradkit as gk

@@ -59,8 +59,9 @@ def _masked_operands(t: Any, d: Any, divide: bool) -> tuple[Any, Any]:
     cotangent ``-inf`` meets clip's 0 mask) gives 0, as forward mode does where
     the mask comes first. Quotient: ``0 / d`` is 0 whatever ``d`` is (``d``
     replaced by 1 where it is 0 or not finite), and ``inf / inf`` is 0 (the
-    product by ``1/d = 0``); ``t / 0`` is the singularity itself and stays. The operation on the masked operands is the plain one,
-    and elsewhere they are the operands themselves, so the result is ``t * d``
+    product by ``1/d = 0``); ``t / 0`` is the singularity itself and stays.
+    The operation on the masked operands is the plain one, and elsewhere they
+    are the operands themselves, so the result is ``t * d``
     bit for bit, sign of zero included, and XLA fuses it (FMA contraction with
     a following add) exactly as it fuses JAX's own product.
     """
