@@ -128,6 +128,10 @@ def naive_hypot(x, y):
     return jnp.sum(jnp.sqrt(x**2 + y**2))
 
 
+def softplus_and_masked_log(x, s):  # two NaNs born apart: each needs its own route
+    return jnp.mean(jnp.log(1 + jnp.exp(x))) + jnp.sum(jnp.where(s > 0, jnp.log(s), 0.0))
+
+
 def exp_overflow(x):
     return jnp.sum(jnp.exp(x))
 
@@ -245,6 +249,8 @@ def _cases():
         Case(naive_hypot, (hx, hy), {
             "gk.stable.hypot(x, y)": lambda x, y: jnp.sum(st.hypot(x, y)),
             "gk.stable.safe_sqrt(x**2 + y**2)": lambda x, y: jnp.sum(st.safe_sqrt(x**2 + y**2))}),
+        Case(softplus_and_masked_log, (logits, x), {"gk.stable.log1pexp(x)": lambda x, s: jnp.mean(
+            st.log1pexp(x)) + jnp.sum(jnp.where(s > 0, jnp.log(s), 0.0))}),
         Case(exp_overflow, (ex,), {}, fixable=False),
         Case(poisson_nll, (ex, counts), {"gk.stable.safe_log(rate)": lambda z, y: jnp.sum(
             jnp.exp(z) - y * st.safe_log(jnp.exp(z)))}, argnums=0, fixable=False),
@@ -366,6 +372,9 @@ def test_first_suggestion_applied_as_reported_fixes_the_gradient(case):
     else:
         assert fix.kind == "code" and fix.expression in case.rewrites, (fix.expression, text)
         fixed = case.rewrites[fix.expression]
+        if fix.with_table:  # the rewrite, and a table for the rest
+            fixed = gk.override(fixed, eval(fix.with_table, {"gk": gk}))
+            assert f"gk.override(fn, {fix.with_table})" in fix.advice
         file, line = fix.location.rsplit(":", 1)
         assert file.endswith("test_audit_fixes.py")
         assert fix.replaces in linecache.getline(__file__, int(line)), "the report names the line to rewrite"
@@ -384,6 +393,10 @@ def test_the_cases_cover_the_reported_families():
     assert {"gradkit.stable.log_sigmoid", "gradkit.stable.sigmoid", "gradkit.stable.safe_arccos",
             "gradkit.stable.safe_norm", "gradkit.stable.log1pexp", "gradkit.stable.logsumexp"} <= code
     assert any(f.kind == "table" for f in fixes.values())
+    both = fixes["softplus_and_masked_log"]  # no single route: the rewrite and a table together
+    assert both.with_table and both.name.startswith("gradkit.stable.log1pexp + ")
+    r = _report(next(c for c in CASES if c.name == "softplus_and_masked_log"))
+    assert len(r.findings) == 2 and all(f.fix.verified for f in r.findings)  # each finding finds the pair
 
 
 # --------------------------------------------------------------------------- the route search

@@ -52,6 +52,8 @@ __all__ = ["Candidate", "Patch", "apply_fix", "choose_fix", "patched_program", "
 _MAX_ROUTES = 24  # table routes (unions included) re-run per finding at most
 _MUST = 16  # non-finite gradient elements per input compared one by one with finite differences
 _ALSO = 2  # single tables re-run after a rewrite verified, to say whether one also works
+_ANYWHERE = 4  # stable rewrites elsewhere in the program re-run when no route verified
+_PAIRS = 9  # pairs of partial routes re-run when no route verified alone
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,6 +227,7 @@ class _Original:
 
     def __init__(self, prog: Program) -> None:
         self.prog = prog
+        self.bad = 0  # non-finite gradient elements without a fix
         self._run: tuple[list[np.ndarray], Reference] | None = None
 
     def _get(self) -> tuple[list[np.ndarray], Reference]:
@@ -232,6 +235,7 @@ class _Original:
             out, grads = gradient(self.prog.flat(), self.prog.dyn)
             masks = [nonfinite_mask(g) for g in grads]
             must = [[] if m is None else [int(i) for i in np.flatnonzero(m)[:_MUST]] for m in masks]
+            self.bad = sum(count_nonfinite(g) for g in grads)
             self._run = out, Reference(self.prog, must)
         return self._run
 
@@ -247,30 +251,37 @@ class _Original:
 def apply_fix(cand: Candidate, prog: Program, fn: Any, table: Any, closed: Any,
               original: _Original | None = None) -> Fix:
     """Re-runs the gradient with ``cand`` applied; the fix with the verdict filled in."""
+    return _apply(cand, prog, fn, table, closed, original or _Original(prog))[0]
+
+
+def _apply(cand: Candidate, prog: Program, fn: Any, table: Any, closed: Any, original: _Original) -> tuple[Fix, int]:
+    """:func:`apply_fix`, and how many gradient elements are still non-finite (-1: not re-run)."""
     from gradkit._src.dispatch import override
 
     fx = cand.fix
     if not cand.runnable:
-        return fx
-    original = original or _Original(prog)
+        return fx, -1
     try:
-        if cand.table is not None:
-            fixed_flat = prog.with_fn(override(fn, cand.table if table is None else (table | cand.table))).flat()
+        rules = cand.table if table is None or cand.table is None else (table | cand.table)
+        if cand.patches is None:
+            fixed_flat = prog.with_fn(override(fn, rules)).flat()
         else:
-            fixed = patched_program(closed, cand.patches or ())
-            fixed_flat = lambda *d: compat.eval_jaxpr(fixed, d)
+            fixed = patched_program(closed, cand.patches)
+            run = lambda *d: compat.eval_jaxpr(fixed, d)
+            fixed_flat = run if rules is None else override(run, rules)
         out, grads = gradient(fixed_flat, prog.dyn)
     except Exception as e:  # the route does not apply to this program: say so, keep looking
-        return dataclasses.replace(fx, applied=False, note=f"re-run failed: {type(e).__name__}: {one_line(str(e))}")
+        note = f"re-run failed: {type(e).__name__}: {one_line(str(e))}"
+        return dataclasses.replace(fx, applied=False, note=note), -1
     bad = sum(count_nonfinite(g) for g in grads)
     same, value_note = value_check(original.outputs, out, original.reference.values)
     if bad:
-        return dataclasses.replace(fx, applied=True, finite=False, note=f"{bad} element(s)",
-                                   value_same=same, value_note=value_note)
+        return dataclasses.replace(fx, applied=True, finite=False, note=f"{bad} element(s)", value_same=same,
+                                   value_note=value_note), bad
     fd = original.reference.compare(grads)
     return dataclasses.replace(fx, applied=True, finite=True, matches_fd=fd.matches, max_rel_err=fd.max_rel_err,
                                compared=fd.compared, directions=fd.directions, excluded=fd.excluded, note=fd.note,
-                               value_same=same, value_note=value_note)
+                               value_same=same, value_note=value_note), 0
 
 
 def choose_fix(cands: list[Candidate], prog: Program, fn: Any, table: Any, closed: Any,
@@ -278,8 +289,11 @@ def choose_fix(cands: list[Candidate], prog: Program, fn: Any, table: Any, close
     """Re-runs candidates in order until one verifies; returns (shown fix, alternatives).
 
     Without ``do_fix`` nothing is re-run: the first route is the advice. When
-    no route verifies, the shown fix says so and the alternatives are every
-    route re-run, with its verdict.
+    no route verifies alone (two NaNs born apart, each needing its own
+    route), the routes that each removed some non-finite elements — and the
+    stable rewrites anywhere in the program — are tried in pairs
+    (:func:`_combinations`). When nothing verifies, the shown fix says so and
+    the alternatives are every route re-run, with its verdict.
     """
     if not cands:
         return None, ()
@@ -287,27 +301,75 @@ def choose_fix(cands: list[Candidate], prog: Program, fn: Any, table: Any, close
         return cands[0].fix, tuple(c.fix for c in cands[1:])
     original = _Original(prog)
     tried: list[Fix] = []
+    partial: list[Candidate] = []
     found: Fix | None = None
     rest: list[Candidate] = []
     for k, c in enumerate(cands):
         if not c.runnable:
             continue
-        r = apply_fix(c, prog, fn, table, closed, original)
+        r, bad = _apply(c, prog, fn, table, closed, original)
         tried.append(r)
         if r.verified:
             found, rest = r, cands[k + 1:]
             break
+        if 0 < bad < original.bad:
+            partial.append(c)
     advice = [c.fix for c in cands if not c.runnable]
+    double_where = [a for a in advice if a.name == "double where"]
     if found is None:
-        return _nothing_verified(tried, advice), tuple(tried) + tuple(a for a in advice if a.name == "double where")
+        found = _combinations(cands, partial, tried, prog, fn, table, closed, original)
+    if found is None:
+        return _nothing_verified(tried, advice), tuple(tried) + tuple(double_where)
     also: list[Fix] = []
     if found.kind == "code":  # a rule table that works too needs no code change: worth a line
         for c in [c for c in rest if c.table is not None and " | " not in c.fix.name][:_ALSO]:
-            r = apply_fix(c, prog, fn, table, closed, original)
+            r = _apply(c, prog, fn, table, closed, original)[0]
             if r.verified:
                 also.append(r)
                 break
-    return found, tuple(also + [a for a in advice if a.name == "double where"])
+    return found, tuple(also + double_where)
+
+
+def _combinations(cands: Sequence[Candidate], partial: list[Candidate], tried: list[Fix], prog: Program, fn: Any,
+                  table: Any, closed: Any, original: _Original) -> Fix | None:
+    """A pair of routes that verifies together, each having removed some of the non-finite elements alone.
+
+    The stable rewrites anywhere in the program join the partial routes first
+    (re-run alone; one may verify by itself). Pairs: at most ``_PAIRS``; two
+    tables are not paired (their unions were routes already).
+    """
+    known = {c.fix.expression or c.fix.name for c in cands}
+    anywhere = [_rewrite(rw) for rw in find(closed, [e for e, _ in walk.equations(closed)], "expression")]
+    for c in [c for c in anywhere if c.fix.expression not in known][:_ANYWHERE]:
+        r, bad = _apply(c, prog, fn, table, closed, original)
+        tried.append(r)
+        if r.verified:
+            return r
+        if 0 < bad < original.bad:
+            partial.append(c)
+    pairs = [(a, b) for a, b in itertools.combinations(partial, 2) if a.patches is not None or b.patches is not None]
+    for a, b in pairs[:_PAIRS]:
+        r = _apply(_pair(a, b), prog, fn, table, closed, original)[0]
+        tried.append(r)
+        if r.verified:
+            return r
+    return None
+
+
+def _pair(a: Candidate, b: Candidate) -> Candidate:
+    """Both routes at once: the rewrites patched in together, under the table (if one is a table)."""
+    if a.patches is None:
+        a, b = b, a
+    fa, fb = a.fix, b.fix
+    if b.patches is None:  # a rewrite, with a table
+        also = fb.advice.replace(" (no code change)", "")
+        fix = dataclasses.replace(fa, name=f"{fa.name} + {fb.name}", with_table=fb.expression,
+                                  advice=f"{fa.advice} Also {also[0].lower()}{also[1:]}")
+        return Candidate(fix, table=b.table, patches=a.patches)
+    fix = dataclasses.replace(fa, name=f"{fa.name} + {fb.name}", expression=f"{fa.expression}; {fb.expression}",
+                              location=f"{fa.location}; {fb.location}", replaces=f"{fa.replaces}; {fb.replaces}",
+                              advice=f"{fa.advice} Also {fb.advice[0].lower()}{fb.advice[1:]}")
+    return Candidate(fix, patches=(a.patches or ()) + (b.patches or ()))
 
 
 def _nothing_verified(tried: Sequence[Fix], advice: Sequence[Fix]) -> Fix:

@@ -114,6 +114,8 @@ class Fix:
       location: ``file.py:12``, the line to change (a code fix); ``replaces`` the source text replaced.
       value_same: the forward value is unchanged wherever it was finite (or no farther from its float64
         value); ``value_note`` says how it compares (``None``/"" when not re-run).
+      with_table: a code fix that needs a rule table too (two NaNs born apart): apply
+        ``gk.override(fn, <with_table>)`` to the rewritten function.
     """
 
     kind: str
@@ -133,6 +135,7 @@ class Fix:
     directions: int = 0
     value_same: bool | None = None
     value_note: str = ""
+    with_table: str = ""
 
     @property
     def verified(self) -> bool:
