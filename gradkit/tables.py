@@ -15,8 +15,8 @@ matches functions by name.
   (mul, square, max, min, reduce_max, reduce_min): JAX's own derivative,
   except that each of its products is 0 wherever one factor is 0 and the
   other infinite — ``0 * inf`` is 0, in both orders, at any order of
-  differentiation. So ``jax.grad``, ``jacrev``, ``jacfwd``, ``jvp`` and
-  ``hessian`` give one answer: a derivative masked *before* the singular op
+  differentiation. So wherever the function's value is finite, ``jax.grad``,
+  ``jacrev``, ``jacfwd`` and ``jvp`` give one answer: a derivative masked *before* the singular op
   in forward mode (``jnp.where(x > 0, jnp.log(x), 0)``, the "double where"
   problem of JAX's FAQ) and one masked *after* it in reverse mode
   (``arccos(clip(y))``, ``sqrt(sum(x ** 2))`` at 0, ``pow(d2, 0.5)`` of a

@@ -137,7 +137,7 @@ def test_in_process_table_sweep_and_demo(capsys, monkeypatch):
     import gradkit.tables
 
     n = len(gradkit.tables.SAFE)
-    assert f"rules     3 of {n} rules fired (div x2, integer_pow x1, log x1); never matched: acos" in cap.out
+    assert f"rules     4 of {n} rules fired (div x2, integer_pow x1, log x1, mul x1); never matched: acos" in cap.out
     assert "gradient  finite for every input" in cap.out  # SAFE fixes it at the declared inputs…
     assert "edge-value probes break the gradient" in cap.out  # …but the sweep finds inputs that still break it
     assert "[gradkit] sweep gaussian_nll:" in cap.err  # progress goes to stderr

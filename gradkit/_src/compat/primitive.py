@@ -58,8 +58,9 @@ def _masked_operands(t: Any, d: Any, divide: bool) -> tuple[Any, Any]:
     derivative masked *after* it in reverse mode (``arccos(clip(y))``: the
     cotangent ``-inf`` meets clip's 0 mask) gives 0, as forward mode does where
     the mask comes first. Quotient: ``0 / d`` is 0 whatever ``d`` is (``d``
-    replaced by 1 where it is 0 or not finite), and ``inf / inf`` is 0 (the
-    product by ``1/d = 0``); ``t / 0`` is the singularity itself and stays.
+    replaced by 1 where it is 0 or not finite); ``t / 0`` is the singularity
+    itself and stays, and so does ``inf / inf``: an infinite tangent over an
+    infinite value is an overflow (``log1p(exp(200))``), not a mask.
     The operation on the masked operands is the plain one, and elsewhere they
     are the operands themselves, so the result is ``t * d``
     bit for bit, sign of zero included, and XLA fuses it (FMA contraction with
@@ -67,11 +68,9 @@ def _masked_operands(t: Any, d: Any, divide: bool) -> tuple[Any, Any]:
     """
     zero = _lax.full_like(t, 0)
     t_zero = _lax.eq(t, zero)
-    if divide:  # t / d is the product t * (1/d): 1/d is 0 where d is infinite
+    if divide:
         d_bad = _lax.bitwise_or(_lax.eq(d, zero), _nonfinite(d))
-        d_inf = _lax.bitwise_and(_nonfinite(d), _lax.eq(d, d))  # infinite, not NaN
-        t_out = _lax.select(_lax.bitwise_and(d_inf, _nonfinite(t)), zero, t)
-        return t_out, _lax.select(_lax.bitwise_and(t_zero, d_bad), _lax.full_like(d, 1), d)
+        return t, _lax.select(_lax.bitwise_and(t_zero, d_bad), _lax.full_like(d, 1), d)
     d_zero = _lax.eq(d, zero)
     t_out = _lax.select(_lax.bitwise_and(d_zero, _nonfinite(t)), zero, t)
     d_out = _lax.select(_lax.bitwise_and(t_zero, _nonfinite(d)), zero, d)
@@ -104,8 +103,8 @@ def _safe_scale_jvp(primals: Sequence[Any], tangents: Sequence[Any], *, divide: 
         coef = t if not divide else _lax.neg(safe_scale(safe_scale(t, d, divide=True), d, divide=True))
         zero = _lax.full_like(t, 0)
         dropped = _lax.eq(t, zero)
-        d_masks = _lax.bitwise_and(_nonfinite(d), _lax.eq(d, d)) if divide else _lax.eq(d, zero)
-        dropped = _lax.bitwise_or(dropped, _lax.bitwise_and(d_masks, _nonfinite(t)))
+        if not divide:
+            dropped = _lax.bitwise_or(dropped, _lax.bitwise_and(_lax.eq(d, zero), _nonfinite(t)))
         terms.append(_lax.select(dropped, _lax.full_like(dd, 0), _lax.mul(coef, dd)))
     if not terms:
         return out, _ad.Zero.from_primal_value(out)  # type: ignore[attr-defined]
