@@ -68,20 +68,39 @@ class Program:
 def make_program(fn: Callable[..., Any], args: Sequence[Any], argnums: int | Sequence[int] | None) -> Program:
     """Splits ``args``: the float leaves of the ``argnums`` arguments (default: all) are differentiated."""
     leaves, treedef = jax.tree_util.tree_flatten(tuple(args))
-    leaves = [jnp.asarray(x) if isinstance(x, float) else x for x in leaves]
+    leaves = [jnp.asarray(x) if isinstance(x, (float, complex)) else x for x in leaves]
     names = leaf_names(fn, args)
     top = set(range(len(args))) if argnums is None else ({argnums} if isinstance(argnums, int) else set(argnums))
     owner = [k for k, a in enumerate(args) for _ in jax.tree_util.tree_leaves(a)]
-    dyn_pos = tuple(i for i, x in enumerate(leaves) if owner[i] in top and is_float(x))
+    dyn_pos = tuple(i for i, x in enumerate(leaves) if owner[i] in top and is_inexact(x))
     if not dyn_pos:
-        raise GradkitError(f"audit({fn_name(fn)}): no floating-point input to differentiate "
-                           f"(inputs: {', '.join(names) or 'none'}). Pass float arrays, or fix argnums.")
+        raise GradkitError(f"audit({fn_name(fn)}): no floating-point input to differentiate, real or complex "
+                           f"(inputs: {', '.join(names) or 'none'}). Pass float or complex arrays, or fix "
+                           "argnums.")
     split = Split(treedef, dyn_pos, tuple(None if i in dyn_pos else x for i, x in enumerate(leaves)))
     return Program(fn, split, [leaves[i] for i in dyn_pos], names)
 
 
+def is_inexact(x: Any) -> bool:
+    """A floating-point or complex array (or Python float/complex): what the audit differentiates.
+
+    A complex input gets the gradient ``jax.grad`` gives a real loss of it
+    (see :func:`gradient`); a PRNG key, an integer or a boolean is held.
+    """
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return isinstance(x, (float, complex))
+    return bool(jnp.issubdtype(dtype, jnp.inexact)) or is_float(x)
+
+
 def gradient(flat: Callable[..., list[jax.Array]], dyn: Sequence[Any]) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """(outputs, gradient of the sum of the outputs) — what ``jax.grad`` would give."""
+    """(outputs, gradient of the sum of the outputs) — what ``jax.grad`` would give.
+
+    The cotangent of every output element is 1: for a real output that is
+    ``jax.grad`` of the sum (complex inputs included); for a complex output it
+    is the gradient of the sum of its real parts, which for a holomorphic
+    function is ``jax.grad(..., holomorphic=True)``.
+    """
     def run(*d: Any) -> tuple[list[Any], tuple[Any, ...]]:
         out, vjp = jax.vjp(flat, *d)
         return out, vjp([jnp.ones_like(o) for o in out])
@@ -91,7 +110,8 @@ def gradient(flat: Callable[..., list[jax.Array]], dyn: Sequence[Any]) -> tuple[
 
 def describe_input(name: str, x: Any) -> str:
     """``x: f32[3,4]``."""
-    a = np.asarray(x)
+    dtype = getattr(x, "dtype", None)
+    dtype = np.asarray(x).dtype if dtype is None else dtype  # a PRNG key refuses np.asarray: it has a dtype
     dt = {"float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16", "int32": "i32",
-          "int64": "i64", "bool": "bool"}.get(str(a.dtype), str(a.dtype))
-    return f"{name}: {dt}[{','.join(map(str, a.shape))}]"
+          "int64": "i64", "bool": "bool", "complex64": "c64", "complex128": "c128"}.get(str(dtype), str(dtype))
+    return f"{name}: {dt}[{','.join(map(str, np.shape(x)))}]"

@@ -18,7 +18,7 @@ back to the elements of the equations where its NaN or inf was born.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -40,14 +40,20 @@ class Replay:
     Attributes:
       births: every birth, by ``(equation, pass, kind, place)``.
       prov: the labels and atoms (elements of births) of this replay.
+      const_label: the labels of a constant of the program (``None``: finite, or not tracked);
+        the audit labels the non-finite elements of held (not differentiated) inputs this way,
+        which the traced program holds as constants.
     """
 
-    def __init__(self, max_births: int = 200, max_while: int = 1000) -> None:
+    def __init__(self, max_births: int = 200, max_while: int = 1000,
+                 const_label: Callable[[Any], Label | None] | None = None) -> None:
         self.births: dict[tuple[Any, ...], Birth] = {}
         self.by_key: list[Birth] = []
         self.prov = Provenance()
         self.max_births = max_births
         self.max_while = max_while
+        # The labels of a program constant (at any depth) that is a non-finite input: see audit.investigate.
+        self.const_label = const_label
         self._handlers: dict[int, tuple[Any, Handler]] = {}
 
     def handler(self, eqn: compat.JaxprEqn) -> Handler:
@@ -88,7 +94,8 @@ class Replay:
         """Evaluates ``jaxpr``; returns its :class:`Frame` (values, labels, activity, what handlers kept)."""
         frame = Frame(jaxpr, {}, {}, {}, ctx)
         for v, x in zip(jaxpr.constvars, consts):
-            frame.env[v], frame.active[v], frame.labels[v] = x, False, None
+            frame.env[v], frame.active[v] = x, False
+            frame.labels[v] = None if self.const_label is None else self.const_label(x)
         labels = labels if labels is not None else [None] * len(args)
         for v, x, a, lb in zip(jaxpr.invars, args, active, labels):
             frame.env[v], frame.active[v], frame.labels[v] = x, a, lb

@@ -24,14 +24,26 @@ import numpy as np
 
 from gradkit._src import compat
 from gradkit._src.activity import is_float_aval
-from gradkit._src.describe import count_nonfinite, nonfinite_mask
+from gradkit._src.describe import nonfinite_mask
 from gradkit._src.provenance import COPYING, READS_COTANGENT_ONLY, Label, Provenance, is_elementwise, sources
 from gradkit._src.replay_state import Context, Ct, Frame
 
 
+def mask_of(x: Any, kind: str = "any") -> np.ndarray | None:
+    """``nonfinite_mask`` of any value an equation reads or makes; ``None`` for one that is not inexact.
+
+    PRNG key arrays (``key<fry>``) and ``float0`` cotangents are decided by
+    their dtype, without converting them to NumPy (which a key refuses).
+    """
+    dtype = getattr(x, "dtype", None)
+    if dtype is not None and not jnp.issubdtype(dtype, jnp.inexact):
+        return None
+    return nonfinite_mask(x, kind)
+
+
 def _nf(x: Any, kind: str) -> np.ndarray:
     """``nonfinite_mask`` of a value that is inexact here (its mask is never ``None``)."""
-    m = nonfinite_mask(x, kind)
+    m = mask_of(x, kind)
     return np.zeros(np.shape(x), bool) if m is None else m
 
 
@@ -46,7 +58,7 @@ def _masks(values: Sequence[Any], shape: tuple[int, ...], kind: str) -> np.ndarr
 
 
 def _any(values: Sequence[Any], kind: str) -> bool:
-    return any(count_nonfinite(v, kind) for v in values)
+    return any(m is not None and bool(m.any()) for m in (mask_of(v, kind) for v in values))
 
 
 def _zeros_ct(aval: Any) -> Any:
@@ -81,7 +93,7 @@ class Leaf:
 
     def forward_labels(self, rp: Any, ctx: tuple[Context, ...], eqn: compat.JaxprEqn, invals: list[Any],
                        labels: list[Label | None], outs: list[Any]) -> list[Label | None]:
-        bad = [nonfinite_mask(o) for o in outs]
+        bad = [mask_of(o) for o in outs]
         if not any(m is not None and m.any() for m in bad):
             return [None] * len(outs)
         prov: Provenance = rp.prov
@@ -163,7 +175,7 @@ class Leaf:
         copying = sources(eqn, invals) if eqn.primitive.name in COPYING else None
         result: list[Ct] = [None] * len(invals)
         for k, g in zip(dyn, got):
-            bad = nonfinite_mask(g)
+            bad = mask_of(g)
             if bad is None or not bad.any():
                 result[k] = (g, None)
                 continue
