@@ -4,13 +4,21 @@ How it works, and why this way:
 
 * **Finite calls.** Inside a compiled step the guard adds one check of the
   loss and the gradient leaves (``any(~isfinite(x))``, fused by XLA) and a
-  ``lax.cond`` on it. Nothing leaves the device and the values are those of
-  ``jax.value_and_grad``: each result is ``select(ok, x, barrier(x))``,
-  which carries the flag and fuses into whatever reads it.
-* **Bad calls.** The false branch of the ``cond`` is a host callback
-  (``pure_callback``: a side-effecting ``io_callback`` makes XLA:CPU order
-  the whole step, about 10% of a training step) that receives exactly that call's inputs (the only
-  transfer off the device). Under ``vmap`` the reporter is a ``custom_vmap``
+  ``lax.cond`` on it. Nothing leaves the device, and the step computes what
+  the unguarded step computes, bit for bit, the optimizer update fused with
+  the gradients included: each result is ``select(ok, x, x)``, which keeps
+  JAX from dropping the check while XLA folds it to ``x``, so nothing stands
+  between the gradients and whatever reads them. (XLA:CPU contracts
+  multiply-adds into fused multiply-adds according to the code around them:
+  the ``select(ok, x, barrier(x))`` this replaces changed an Adam step's
+  parameters by up to 7.5e-9.) In ``"skip"`` mode the zeroing ``select``
+  stays, and a fused update can differ in the last bits (``tests/test_guard_fused.py``).
+* **Bad calls.** The false branch of the ``cond`` is a host callback that
+  receives exactly that call's inputs (the only transfer off the device): a
+  pure callback, which XLA keeps by its custom call's side-effect flag
+  (:func:`gradkit._src.compat.kept_callback`; a JAX effect, as
+  ``io_callback`` has, costs each call of the step 0.2-0.5 ms of dispatch).
+  Under ``vmap`` the reporter is a ``custom_vmap``
   function (:mod:`gradkit._src.guard_host`), so the callback still runs only
   when some batch element is bad, once, and audits the bad elements only.
 * **Where the audit runs.** JAX work started from inside a host callback can
@@ -149,8 +157,13 @@ def guard(loss_fn: Callable[..., Any], *, argnums: int | Sequence[int] = 0, has_
     ``jax.jit`` training step, under ``vmap``, with sharded inputs and inside
     ``shard_map``. While the loss and the gradients are finite it returns
     exactly what ``jax.value_and_grad`` returns and adds one fused finiteness
-    check to the compiled step. When the loss or a gradient leaf is NaN or
-    inf, the call is counted in :attr:`Guard.bad_calls` and, if it is one of
+    check to the compiled step, which otherwise compiles as it does without
+    the guard: a training step with the optimizer update fused in follows the
+    unguarded trajectory bit for bit (``"raise"`` and ``"report"``; in
+    ``"skip"`` mode the zeroing ``select`` sits in the fused update, which can
+    then round differently in the last bits: up to 6e-8 after five Adam
+    steps). When the loss or a gradient leaf is NaN or inf, the call is
+    counted in :attr:`Guard.bad_calls` and, if it is one of
     the first ``max_reports`` bad calls, exactly that call's inputs are
     copied to the host and :func:`gradkit.audit` explains where the NaN was
     born and what fixes it; the report goes to :attr:`Guard.reports`. Then:
@@ -470,23 +483,17 @@ class Guard:
         args, kwargs = split.combine(dyn)
         fn = self.fn
         has_aux = self.has_aux
-        # PRNG keys are not differentiated; the audit gets a placeholder and the loss the key.
-        keys = {i: x for i, x in enumerate(dyn) if _key_impl(x) is not None}
-        holes = split.combine([_KeyHole(i) if i in keys else x for i, x in enumerate(dyn)])[0]
-
-        def fill(tree: Any) -> Any:
-            return jax.tree_util.tree_map(lambda v: keys[v.index] if isinstance(v, _KeyHole) else v, tree)
 
         @functools.wraps(fn)
         def scalar_loss(*a: Any) -> Any:
-            out = fn(*fill(a), **fill(kwargs))
+            out = fn(*a, **kwargs)
             return out[0] if has_aux else out
 
         result: AuditReport | None = None
         failure = ""
         try:
             with jax.default_device(jax.devices("cpu")[0]):
-                result = audit(scalar_loss, *holes, argnums=self.argnums)
+                result = audit(scalar_loss, *args, argnums=self.argnums)
         except Exception as e:
             failure = f"the audit could not run: {type(e).__name__}: {one_line(str(e))}"
             note = _join(note, failure + (" (a loss with collectives such as psum cannot be re-run outside its "
@@ -505,13 +512,6 @@ class Guard:
         else:
             key = ("no finding", _nonfinite(loss))
         return GuardReport(call, index, _fmt_loss(loss), result, note), key
-
-
-@dataclasses.dataclass(frozen=True)
-class _KeyHole:
-    """Stands for the PRNG key at dynamic position ``index`` in the audited arguments."""
-
-    index: int
 
 
 def _host(ref: Any, split: Split, keys: tuple[Any, ...], levels: Any, ok: np.ndarray, loss: np.ndarray,

@@ -3,8 +3,10 @@
 The check is one fused ``any(~isfinite(x))`` per leaf (see :func:`all_finite`).
 
 The callback sits in the false branch of a ``lax.cond`` on the check, so a
-finite call transfers nothing. Under ``vmap`` a ``cond`` with a batched
-predicate becomes a ``select`` that runs both branches; the reporter is
+finite call transfers nothing; the guard's results depend on it only as far
+as JAX can see (:func:`depend`), never in the program XLA compiles. Under
+``vmap`` a ``cond`` with a batched predicate becomes a ``select`` that runs
+both branches; the reporter is
 therefore a ``jax.custom_batching.custom_vmap`` function whose batching rule
 reduces the batched flags to one unbatched ``all(ok)`` and re-enters itself
 with the batch axis in front (once per ``vmap`` level), so the callback runs
@@ -21,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from gradkit._src import compat
 
 # The host function: ``host(levels, ok, *leaves)`` with numpy arrays. ``levels`` (static) lists, per
 # vmap level from the innermost out, which leaves are batched there; the batched leaves and ``ok`` carry
@@ -59,10 +63,10 @@ def _reporter(host: Host, levels: tuple[tuple[bool, ...], ...]) -> Callable[...,
         return flags
 
     def call_host(ok: Any, *leaves: Any) -> Any:
-        # A pure callback, whose flag every result of the guard depends on: an io_callback (a side
-        # effect) makes XLA:CPU run the whole step's thunks in order, about 10% of the benchmark MLP
-        # step even when the branch never runs; a pure callback in a cond costs nothing measurable.
-        flag = jax.pure_callback(on_host, jax.ShapeDtypeStruct(np.shape(ok), jnp.bool_), ok, *leaves)
+        # No JAX effect (an io_callback's costs every call of the step 0.2-0.5 ms of dispatch): a pure
+        # callback, whose flag every result depends on for JAX, that XLA keeps by its side-effect flag
+        # (compat.kept_callback), since XLA folds the dependence away (see depend).
+        flag = compat.kept_callback(on_host, jax.ShapeDtypeStruct(np.shape(ok), jnp.bool_), ok, *leaves)
         return ok & flag  # (the same flags) typed as ok: inside shard_map ok varies over the mesh, flag does not
 
     @jax.custom_batching.custom_vmap
@@ -85,21 +89,27 @@ def report_if_bad(host: Host, ok: Any, leaves: Sequence[Any]) -> Any:
 
     The step fails with the exception ``host`` returns, if any.
 
-    Use the result (see :func:`depend`): the callback is pure to XLA, which
-    drops it when nothing reads its flag.
+    Use the result (see :func:`depend`): the callback has no JAX effect, so
+    JAX drops it when nothing reads its flag (XLA keeps it, see
+    :func:`gradkit._src.compat.kept_callback`).
     """
     return _reporter(host, ())(ok, *leaves)
 
 
 def depend(ok: Any, x: Any, zero: bool = False) -> Any:
-    """``x`` (or zeros where ``ok`` is False and ``zero``), computed after and from the flag ``ok``.
+    """``x`` for JAX's dead-code elimination a result of the flag ``ok``; zeros where ``ok`` is False if ``zero``.
 
-    ``select(ok, x, barrier(x))``: the barrier keeps XLA from folding the
-    select to ``x`` (which would drop the callback behind ``ok``); the select
-    fuses into whatever reads ``x``.
+    Without ``zero`` it is ``select(ok, x, x)``: JAX keeps the check and the
+    callback behind ``ok`` as long as ``x`` is used, and XLA folds the select
+    to ``x`` itself, so whatever reads ``x`` compiles exactly as it does
+    without the guard (bit for bit, an optimizer update fused with it
+    included). The callback survives that fold by its side-effect flag
+    (:func:`gradkit._src.compat.kept_callback`). With ``zero`` (the skip
+    mode) the select stays in the program, inside the loop XLA fuses around
+    it: the values are ``x`` wherever ``ok`` holds, but a fused update's
+    multiply-adds may be contracted differently (last bits).
     """
-    other = jnp.zeros_like(x) if zero else lax.optimization_barrier(x)
-    return jnp.where(ok, x, other)
+    return jnp.where(ok, x, jnp.zeros_like(x) if zero else x)
 
 
 def bad_indices(ok: np.ndarray) -> list[tuple[int, ...]]:

@@ -1,7 +1,81 @@
-"""Host callbacks: what gk.guard needs to know about how JAX reports a failing callback."""
+"""Host callbacks: what gk.guard needs from JAX's callback machinery.
 
-__all__ = ["CALLBACK_LOGGER"]
+* :data:`CALLBACK_LOGGER` — the logger JAX reports a failing callback on.
+* :func:`kept_callback` — ``jax.pure_callback`` that XLA keeps even when
+  nothing reads its result. ``gk.guard`` must not put an operation between
+  the gradients and whatever reads them: XLA:CPU contracts a multiply and an
+  add of one fused loop into a fused multiply-add, and which pair it
+  contracts depends on the code around it, so even an identity ``select`` in
+  an optimizer update's loop changes its last bits. The guard's results
+  therefore depend on its check only through ``select(ok, x, x)``, which
+  keeps JAX from dropping the check (JAX removes an equation nothing reads
+  unless it has an effect, and a JAX effect costs every call of the step
+  about 0.2-0.5 ms of dispatch) and which XLA folds to ``x``. What keeps XLA
+  from dropping the callback is its custom call's ``has_side_effect`` flag:
+  this primitive is ``pure_callback_p`` in every respect (its abstract
+  evaluation and implementation are JAX's) except that flag in its lowering.
+  It has no differentiation or batching rules: gk.guard passes it only
+  values with zero tangents, inside a ``custom_vmap`` function.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax._src import callback as _cb
+from jax._src import core as _core
+from jax._src import dispatch as _dispatch
+from jax._src.interpreters import mlir as _mlir
+from jax.extend.core import Primitive
+
+__all__ = ["CALLBACK_LOGGER", "kept_callback", "kept_callback_p"]
 
 #: The logger JAX reports a failing host callback on (``jax/_src/callback.py``, before it re-raises):
 #: gk.guard's raise mode filters out its own exception there, since the raise carries the report.
 CALLBACK_LOGGER: str = "jax._src.callback"
+
+#: ``pure_callback_p`` lowered as a side-effecting custom call (see the module docstring).
+kept_callback_p = Primitive("gradkit_kept_callback")
+kept_callback_p.multiple_results = True
+kept_callback_p.def_impl(functools.partial(_dispatch.apply_primitive, kept_callback_p))
+kept_callback_p.def_abstract_eval(_cb.pure_callback_abstract_eval)
+_dispatch.prim_requires_devices_during_lowering.add(kept_callback_p)
+
+# jax 0.10+ asks whether the custom call returns a token (default True); 0.8 never does.
+_RETURNS_TOKEN = "returns_token" in inspect.signature(_cb.emit_python_callback).parameters
+
+
+def _lowering(ctx: Any, *args: Any, callback: Any, sharding: Any, **params: Any) -> Any:
+    def host(*flat: Any) -> tuple[Any, ...]:
+        return tuple(_cb.pure_callback_impl(*flat, callback=callback, sharding=None, **params))
+
+    op_sharding = _cb._callback_op_sharding(ctx.module_context.axis_context, sharding, ctx.avals_out)
+    extra = {"returns_token": False} if _RETURNS_TOKEN else {}
+    result, _, _ = _cb.emit_python_callback(ctx, host, None, list(args), ctx.avals_in, ctx.avals_out,
+                                            has_side_effect=True, sharding=op_sharding, **extra)
+    return result
+
+
+_mlir.register_lowering(kept_callback_p, _lowering)
+
+
+def kept_callback(fn: Callable[..., Any], result: jax.ShapeDtypeStruct, *args: Any) -> Any:
+    """``jax.pure_callback(fn, result, *args)`` whose call XLA never removes.
+
+    ``fn`` receives the arguments as arrays on the host and returns one array
+    of ``result``'s shape and dtype. Not differentiable and not batched: pass
+    values without tangents, and call it where no ``vmap`` batches its arguments.
+    """
+    flat, in_tree = jax.tree_util.tree_flatten((args, {}))
+
+    def one(*a: Any, **kw: Any) -> Any:
+        return (fn(*a, **kw),)
+
+    avals = (_core.ShapedArray(result.shape, result.dtype),)
+    out: Sequence[Any] = kept_callback_p.bind(*flat, callback=_cb._FlatCallback(one, in_tree),
+                                              result_avals=avals, sharding=None, vmap_method=None)
+    return out[0]
