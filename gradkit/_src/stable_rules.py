@@ -32,10 +32,16 @@ def _custom_call_consts(op: OpView) -> int:
     return 0
 
 
+def _is_custom_jvp_call(op: OpView) -> bool:
+    """A ``jax.custom_jvp`` function matched by name (``fn:logaddexp``): its params are the call's."""
+    return "call_jaxpr" in op.params and "jvp_jaxpr_fun" in op.params
+
+
 def op_function(op: OpView, rule_name: str) -> Callable[..., Any]:
     """The matched op as a function of its inputs, to get its own (JAX) derivative.
 
-    Available for primitives and ``jax.jit``-ed functions matched by name.
+    Available for primitives, ``jax.jit``-ed functions matched by name and
+    ``jax.custom_jvp`` functions matched by name (their own rule is their derivative).
     """
     params = dict(op.params)
     if is_foreign_jit(op):
@@ -46,7 +52,7 @@ def op_function(op: OpView, rule_name: str) -> Callable[..., Any]:
             return out[0] if len(out) == 1 else tuple(out)
 
         return fun
-    prim = compat.primitive_by_name(op.name)
+    prim = compat.primitive_by_name("custom_jvp_call" if _is_custom_jvp_call(op) else op.name)
     if prim is None:
         raise GradkitError(
             f"rule {rule_name} for op '{op.name}' at {op.source} needs the op's own derivative, which gradkit "
@@ -84,10 +90,14 @@ def jvp_via(body: Callable[..., Any], keywords: tuple[str, ...] = (), *,
     op's params are not the body's). A ``jax.jit``-ed function matched by
     name whose signature the body cannot know (keyword arguments such as an
     ``axis``) keeps its own derivative.
+
+    The stable derivatives are for real inputs: a primitive or a JAX function
+    with a complex input keeps its own (JAX's) derivative, as if the rule did
+    not match (a gradkit named op's own derivative is the body's anyway).
     """
 
     def rule(op: OpView, tangents: tuple[Any, ...]) -> Any:
-        if keywords and is_foreign_jit(op):
+        if (keywords and is_foreign_jit(op)) or (_complex(op.inputs) and _has_own_function(op)):
             return default_jvp(op, tangents, label)
         skip = _custom_call_consts(op)
         inputs, tangents = list(op.inputs[skip:]), tuple(tangents[skip:])
@@ -115,6 +125,15 @@ def jvp_via(body: Callable[..., Any], keywords: tuple[str, ...] = (), *,
         return t_out
 
     return rule
+
+
+def _has_own_function(op: OpView) -> bool:
+    """:func:`op_function` can rebuild the op (a gradkit named op's own derivative is the body's)."""
+    return is_foreign_jit(op) or _is_custom_jvp_call(op) or compat.primitive_by_name(op.name) is not None
+
+
+def _complex(xs: Sequence[Any]) -> bool:
+    return any(x is not None and jnp.issubdtype(jnp.result_type(x), jnp.complexfloating) for x in xs)
 
 
 def _as_array(x: Any, dtype: Any = None) -> Any:
