@@ -443,6 +443,9 @@ def test_safe_passes_check_grads_to_second_order_wherever_the_plain_gradient_is_
         "lgamma": jax.lax.lgamma, "digamma": jax.lax.digamma, "erf_inv": lambda x: jax.lax.erf_inv(x / 2),
         "integer_pow": lambda x: x ** -3 + x ** 2, "div": lambda x: x / (1 + x), "rem": lambda x: jax.lax.rem(x, 2.5),
         "atan2": lambda x: jnp.arctan2(x, 1 + x), "pow": lambda x: x ** x,
+        "mul": lambda x: x * jnp.sin(x), "square": lambda x: jnp.square(jnp.sin(x)),
+        "max": lambda x: jnp.maximum(jnp.sin(x), 0.5), "min": lambda x: jnp.minimum(jnp.sin(x), 0.9),
+        "reduce_max": lambda x: jnp.max(jnp.sin(x)) * x, "reduce_min": lambda x: jnp.min(jnp.sin(x)) * x,
         "guarded": lambda x: jnp.where(x > 0, jnp.log(x) + jnp.sqrt(x) / x, 0.0),
     }
     assert set(cases) >= set(SAFE)
