@@ -139,7 +139,7 @@ class Fix:
 
     @property
     def verified(self) -> bool:
-        """Re-run: the gradient is finite, matches float64 finite differences, the forward value is the same."""
+        """Whether the re-run gradient is finite, matches float64 finite differences and keeps the forward value."""
         return bool(self.applied and self.finite and self.matches_fd and self.value_same is not False)
 
     def _compared(self) -> str:

@@ -297,7 +297,7 @@ class Guard:
 
     @property
     def reports(self) -> list[GuardReport]:
-        """The reports of the audited bad calls, oldest first: one per birth place of the NaN.
+        """The reports of the audited bad calls, oldest first, one per birth place of the NaN.
 
         At most ``max_reports`` (see :attr:`GuardReport.repeats` for audits
         that shared one). Waits for the steps already dispatched to run their
