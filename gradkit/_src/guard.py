@@ -46,17 +46,28 @@ How it works, and why this way:
   round trip on every step, which the finite path must not pay; eager calls
   are counted, traced ones report ``call=None``.
 
-The raise mode's exception: an eager call raises :class:`NonFiniteGradientError`
-(a :class:`GradkitError`); inside a ``jax.jit``-ed step the callback's
-exception reaches you as ``jax.errors.JaxRuntimeError`` (JAX's type for a
-failed computation, a ``RuntimeError``) on a step's first call and as a
-``ValueError`` on the calls after it, which take JAX's C++ dispatch path,
-raised where the step's results are first needed, whose message contains the report.
-:attr:`Guard.step_errors` lists them.
+The raise mode's exception is :class:`NonFiniteGradientError` (a
+:class:`GradkitError` and a ``FloatingPointError``, as ``jax_debug_nans``
+raises), whose first line says where the NaN was born. An eager call raises
+it as is. Inside a ``jax.jit``-ed step it is raised in the host callback,
+and JAX cannot pass an exception through a compiled program: it reaches the
+caller as ``jax.errors.JaxRuntimeError`` (a step's first call) or
+``ValueError`` (later calls, JAX's C++ dispatch path), ``INTERNAL:
+CpuCallback error calling callback:`` and the callback's stack before the
+report. There is no hook in JAX to change that type or text at a plain
+``jax.jit`` call (JAX issue 26102; Equinox's ``error_if`` likewise needs its
+own ``filter_jit``), so the guard keeps each exception its callbacks raise
+and hands it back where Python code of gradkit sees JAX's: ``with guard:``
+around the steps (or a step called through :meth:`Guard.wrap`) re-raises the
+guard's own :class:`NonFiniteGradientError` in place of JAX's error,
+wherever in the block JAX raises it (the step's call on the CPU; the first
+use of its results on an accelerator). :attr:`Guard.step_errors` lists
+JAX's types, for code without the block.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import functools
@@ -64,7 +75,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -86,18 +97,40 @@ _WAIT_S = 300.0  # raise mode: longest wait for the audit inside the callback
 _AUDITS_PER_CALL = 4  # bad batch elements audited per call at most (the rest are listed in the note)
 MAX_REPORTS = 4  # default of guard(max_reports=): audits per guard
 _LISTED = 8  # unaudited batch indices named in a report's note
+_KEPT_ERRORS = 8  # raised by callbacks, kept for `with guard:` to re-raise (the latest ones)
+_UNWRAP_HINT = ("[gradkit] JAX delivers an error raised inside a compiled step as its own, with the callback's "
+                "stack first; run the steps inside `with guard:` (your gk.guard object) or call the step through "
+                "guard.wrap(step) to get this gradkit.NonFiniteGradientError itself.")
 
 
-class NonFiniteGradientError(GradkitError):
+class NonFiniteGradientError(GradkitError, FloatingPointError):
     """The loss or a gradient of a guarded call is NaN or inf (``on_nonfinite="raise"``).
+
+    A :class:`GradkitError` and a ``FloatingPointError`` (what ``jax_debug_nans``
+    raises). The first line of the message says where the NaN or inf was born
+    (source line, op, what it did) and which call it was; the audit's full
+    report follows.
 
     Raised as is by an eager call. Inside a compiled step it is raised in the
     host callback, and JAX delivers it as ``jax.errors.JaxRuntimeError`` or
-    ``ValueError`` (see :attr:`Guard.step_errors`) whose message contains this one's.
+    ``ValueError`` (see :attr:`Guard.step_errors`) whose message contains
+    this one's; run the steps inside ``with guard:`` (or through
+    :meth:`Guard.wrap`) to get this exception itself.
 
     Attributes:
       reports: the :class:`GuardReport` of each audited bad element of the call;
         empty when the call was not audited (the guard had run its ``max_reports`` audits).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, gradkit as gk
+      >>> g = gk.guard(lambda w, x: jnp.sum(jnp.sqrt(w * x)))
+      >>> step = jax.jit(lambda w, x: g(w, x)[1])
+      >>> try:
+      ...     with g:
+      ...         step(jnp.ones(2), jnp.array([1.0, 0.0]))
+      ... except gk.NonFiniteGradientError as e:
+      ...     print(str(e).splitlines()[0].split(",")[0])  # then the source line, and what `sqrt` did
+      [gradkit] guard(<lambda>): NaN/inf born at `sqrt`
     """
 
     def __init__(self, message: str, reports: Sequence[GuardReport] = ()):
@@ -168,12 +201,14 @@ def guard(loss_fn: Callable[..., Any], *, argnums: int | Sequence[int] = 0, has_
     copied to the host and :func:`gradkit.audit` explains where the NaN was
     born and what fixes it; the report goes to :attr:`Guard.reports`. Then:
 
-    * ``"raise"``: the step raises, with the report in the message (past the
-      cap: the loss and a line saying the call was not audited). Eagerly:
-      :class:`NonFiniteGradientError` (a :class:`GradkitError`); inside a
-      compiled step: ``jax.errors.JaxRuntimeError`` or ``ValueError``,
-      raised where the step's results are first used (``float(loss)``,
-      ``block_until_ready``); catch ``guard.step_errors``.
+    * ``"raise"``: the step raises :class:`NonFiniteGradientError`, whose
+      first line says where the NaN was born, with the report below it (past
+      the cap: the loss and a line saying the call was not audited). Inside a
+      compiled step JAX wraps it in its own ``jax.errors.JaxRuntimeError`` or
+      ``ValueError`` (``INTERNAL: CpuCallback error …`` and the callback's
+      stack first); run the steps inside ``with guard:``, or call the step
+      through ``guard.wrap(step)``, to get :class:`NonFiniteGradientError`
+      itself, or catch ``guard.step_errors``.
     * ``"skip"``: the gradients come back as zeros (an SGD/Adam update with
       them is a no-op, as with ``optax.apply_if_finite``) and training goes on.
     * ``"report"``: the values come back unchanged.
@@ -204,7 +239,7 @@ def guard(loss_fn: Callable[..., Any], *, argnums: int | Sequence[int] = 0, has_
 
     Returns:
       A :class:`Guard`: call it as ``jax.value_and_grad(loss_fn)``; read
-      ``.reports`` and ``.bad_calls``.
+      ``.reports`` and ``.bad_calls``; ``with guard:`` around the steps.
 
     Examples:
       >>> import jax, jax.numpy as jnp, gradkit as gk
@@ -218,7 +253,7 @@ def guard(loss_fn: Callable[..., Any], *, argnums: int | Sequence[int] = 0, has_
       [0.0, 0.0]
       >>> r = g.reports[0]
       >>> r.audit.findings[0].op, str(r.audit.findings[0].root.elements[0])
-      ('sqrt', '[1]: x = 0')
+      ('sqrt', '(w * x)[1] = 0')
 
       Three bad calls with ``max_reports=2``: two audits, which find the same
       birth place (one report, one repeat); the third call is only counted.
@@ -247,6 +282,9 @@ class Guard:
     """A guarded ``jax.value_and_grad``; made by :func:`guard`.
 
     Call it as you would call ``jax.value_and_grad(loss_fn, argnums, has_aux)``.
+    Used as a context manager around the steps (``with guard:``), it turns
+    the error JAX makes of a compiled step's raise into the guard's own
+    :class:`NonFiniteGradientError` (see :meth:`wrap`).
 
     Attributes:
       fn: the guarded loss function.
@@ -287,6 +325,7 @@ class Guard:
         self._reports: list[GuardReport] = []
         self._report_of: dict[tuple[Any, ...], int] = {}  # birth places -> index in _reports
         self._pending: list[concurrent.futures.Future[Any]] = []  # audits in flight (max_reports at most)
+        self._raised: collections.deque[NonFiniteGradientError] = collections.deque(maxlen=_KEPT_ERRORS)
         self._calls = 0
         self._bad_calls = 0
         self._audits = 0  # audits started, max_reports at most
@@ -345,6 +384,68 @@ class Guard:
         with self._idle:  # some JAX versions (0.8, sharded inputs) return from the barrier mid-callback
             self._idle.wait_for(lambda: self._in_callback == 0, timeout=_WAIT_S)
 
+    # ------------------------------------------------------------------ JAX's error -> the guard's own
+
+    def __enter__(self) -> Guard:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> Literal[False]:
+        """Re-raises the guard's :class:`NonFiniteGradientError` in place of the error JAX made of it."""
+        error = self._unwrap(exc)
+        if error is None:
+            return False
+        # JAX's traceback: where in the block it raised (the step's call, or the first use of its results)
+        raise error.with_traceback(tb) from None
+
+    def wrap(self, step: Callable[..., Any]) -> Callable[..., Any]:
+        """``step`` (your jitted training step) raising the guard's own :class:`NonFiniteGradientError`.
+
+        A compiled step can only fail with the error JAX makes of the host
+        callback's (``JaxRuntimeError``/``ValueError``, ``INTERNAL: CpuCallback
+        error …``); the wrapped step calls ``step`` inside ``with self:``,
+        which re-raises the guard's exception instead, from the step's call.
+        On the CPU the callback runs within that call; on an accelerator JAX
+        can raise at the first use of the results instead (``float(loss)``):
+        put ``with guard:`` around the loop to catch that too.
+
+        Examples:
+          >>> import jax, jax.numpy as jnp, gradkit as gk
+          >>> g = gk.guard(lambda w, x: jnp.sum(jnp.log(w * x)))
+          >>> step = g.wrap(jax.jit(lambda w, x: g(w, x)))
+          >>> try:
+          ...     step(jnp.ones(2), jnp.array([1.0, 0.0]))
+          ... except gk.NonFiniteGradientError as e:
+          ...     print(type(e).__name__, len(e.reports), e.reports[0].audit.findings[0].op)
+          NonFiniteGradientError 1 log
+        """
+        if not callable(step):
+            raise GradkitError(f"guard({self._name}).wrap: expected the step function, got {type(step).__name__}.")
+
+        @functools.wraps(step)
+        def guarded_step(*args: Any, **kwargs: Any) -> Any:
+            with self:
+                return step(*args, **kwargs)
+
+        return guarded_step
+
+    def _unwrap(self, exc: BaseException | None) -> NonFiniteGradientError | None:
+        """The exception a callback of this guard raised, if ``exc`` is the error JAX made of it."""
+        if exc is None or isinstance(exc, NonFiniteGradientError) or not isinstance(exc, Exception):
+            return None
+        text = str(exc)
+        with self._lock:
+            for error in self._raised:
+                if str(error) in text:
+                    self._raised.remove(error)
+                    return error
+        return None
+
+    def _deliver(self, error: NonFiniteGradientError) -> NonFiniteGradientError:
+        """What the callback raises: ``error``, kept for :meth:`__exit__`, with a line on how to get it unwrapped."""
+        with self._lock:
+            self._raised.append(error)
+        return NonFiniteGradientError(f"{error}\n{_UNWRAP_HINT}", error.reports)
+
     # ------------------------------------------------------------------ the call
 
     def _checked(self, *args: Any, **kwargs: Any) -> Any:
@@ -399,7 +500,7 @@ class Guard:
         else:
             text = self._unaudited(call, (), leaves[0], number)
         if self.on_nonfinite == "raise":
-            raise NonFiniteGradientError(f"guard({self._name}): {text}", reports)
+            raise NonFiniteGradientError(_message(self._name, reports, text), reports)
         if self.on_nonfinite == "skip":
             grads = jax.tree_util.tree_map(jnp.zeros_like, grads)
         return value, grads
@@ -434,8 +535,8 @@ class Guard:
             if self.on_nonfinite != "raise":
                 return None
             (loss_i,), = bad_elements(levels, indices[:1], [loss])
-            return NonFiniteGradientError(f"guard({self._name}): "
-                                          f"{self._unaudited(None, indices[0], loss_i, number)}")
+            text = self._unaudited(None, indices[0], loss_i, number)
+            return NonFiniteGradientError(_message(self._name, (), text))
         rest = indices[audits:]
         note = (f"{len(rest)} more bad batch element(s) in this call were not audited: "
                 + ", ".join(map(str, rest[:_LISTED])) + (", ..." if len(rest) > _LISTED else "") + ".") if rest else ""
@@ -449,7 +550,7 @@ class Guard:
         reports = [f.result() for f in futures if f in done]
         text = "\n".join(str(r) for r in reports) if reports else (
             f"the audit did not finish within {_WAIT_S:.0f} s; it goes on in the background: read guard.reports.")
-        return NonFiniteGradientError(f"guard({self._name}): {text}", reports)
+        return NonFiniteGradientError(_message(self._name, reports, text), reports)
 
     def _submit(self, split: Split, keys: tuple[Any, ...], levels: Any, indices: Sequence[tuple[int, ...]],
                 leaves: Sequence[np.ndarray], note: str) -> list[concurrent.futures.Future[GuardReport]]:
@@ -522,11 +623,26 @@ def _host(ref: Any, split: Split, keys: tuple[Any, ...], levels: Any, ok: np.nda
     with g._idle:
         g._in_callback += 1
     try:
-        return g._on_bad(split, keys, levels, ok, loss, leaves)
+        error = g._on_bad(split, keys, levels, ok, loss, leaves)
+        return None if error is None else g._deliver(error)
     finally:
         with g._idle:
             g._in_callback -= 1
             g._idle.notify_all()
+
+
+def _message(name: str, reports: Sequence[GuardReport], text: str) -> str:
+    """The exception's message: where the NaN/inf was born, in one line, then ``text`` (the reports)."""
+    for r in reports:
+        findings = r.audit.findings if r.audit is not None else ()
+        if findings:
+            f = findings[0]
+            more = f" (and {len(findings) - 1} more birth place(s) below)" if len(findings) > 1 else ""
+            where = f"call {r.call}" if r.call is not None else "a compiled call"
+            element = f", batch element {r.batch_index}" if r.batch_index else ""
+            return (f"guard({name}): NaN/inf born at `{f.op}`, {f.location}: {one_line(f.message)}{more} "
+                    f"({where}{element}, loss = {r.loss})\n{text}")
+    return f"guard({name}): {text}"
 
 
 def _key_impl(x: Any) -> Any:

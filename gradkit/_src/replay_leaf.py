@@ -80,6 +80,21 @@ def _scatter_union(prov: Provenance, src: np.ndarray, label: np.ndarray, offset:
     return out
 
 
+def _integer_fill(eqn: compat.JaxprEqn) -> compat.JaxprEqn:
+    """``eqn`` to bind to element indices (:func:`sources`): a ``gather``'s fill value made ``-1``.
+
+    ``sources`` binds a copying op to integer operands; a ``gather`` in
+    ``FILL_OR_DROP`` mode (``x.at[i].get(mode="fill")``, ``take_along_axis``
+    out of bounds) fills with NaN by default, and JAX converts that fill to
+    the integer dtype with NumPy (a ``RuntimeWarning: invalid value encountered
+    in cast``, and an arbitrary integer that could read as an element's index).
+    ``-1`` is what ``sources`` reads as "no source", as for ``pad``'s padding value.
+    """
+    if eqn.primitive.name == "gather" and eqn.params.get("fill_value") is not None:
+        return eqn.replace(params={**eqn.params, "fill_value": -1})
+    return eqn
+
+
 class Leaf:
     """The handler of any equation the replay does not enter."""
 
@@ -111,7 +126,7 @@ class Leaf:
                     "inf": _nf(outs[0], "inf") & ~_masks(invals, shape, "any")}
             self._births(rp, eqn, "forward", ctx, 0, label, born, values)
             return [label]
-        src = sources(eqn, invals)
+        src = sources(_integer_fill(eqn), invals)
         if src is not None:
             source, data, offsets = src
             flat = [np.zeros(np.size(invals[k]), np.int32) if labels[k] is None else cast(Label, labels[k]).reshape(-1)
@@ -172,7 +187,7 @@ class Leaf:
         values = dict(invals=invals, outvals=outvals, out_cts=cts, in_cts=in_cts)
         prov: Provenance = rp.prov
         elementwise = is_elementwise(eqn)
-        copying = sources(eqn, invals) if eqn.primitive.name in COPYING else None
+        copying = sources(_integer_fill(eqn), invals) if eqn.primitive.name in COPYING else None
         result: list[Ct] = [None] * len(invals)
         for k, g in zip(dyn, got):
             bad = mask_of(g)
