@@ -4,9 +4,11 @@
 it (see :func:`gradkit.audit`) at example inputs given on the command line
 (``--arg "f32[128]:uniform(-1,1)"``, one per positional parameter) or declared
 in the file (``GRADKIT_INPUTS = {"loss": (x, y)}``, or a function returning
-such a dict; values may be arrays, numbers or the same spec strings). Exit
-codes: 0 every gradient finite, 1 a finding remains, 2 bad arguments (one line
-on stderr starting with ``[gradkit]``, no traceback).
+such a dict; values may be arrays, numbers, pytrees or the same spec strings),
+or built by a function (``--args-from FILE.py:MAKE``: ``MAKE()`` or
+``MAKE(key)`` returns the tuple of inputs, pytrees allowed). Exit codes: 0
+every gradient finite, 1 a finding remains, 2 bad arguments or inputs (one
+line on stderr starting with ``[gradkit]`` per problem, no traceback).
 """
 
 from __future__ import annotations
@@ -119,18 +121,29 @@ def _targets(args: argparse.Namespace, progress: _Progress) -> list[tuple[str, C
         if ":" in func:
             raise UsageError(f"cannot read target {target!r}: expected FILE.py or FILE.py:FUNC")
         plan.append((target, path, func or None))
+    if args.arg and args.args_from:
+        raise UsageError("give the inputs either with --arg (one array per parameter) or with --args-from "
+                         "(a function returning them all), not both")
     if args.arg and (len(plan) != 1 or plan[0][2] is None):
         raise UsageError("--arg gives the inputs of one function: name it as FILE.py:FUNC (one target)")
-    for _, path, _ in plan:  # fail fast on missing files before importing anything heavy
-        if not os.path.exists(path):
+    if args.args_from and (len(plan) != 1 or plan[0][2] is None):
+        raise UsageError("--args-from gives the inputs of one function: name it as FILE.py:FUNC (one target)")
+    builder = _builder_target(args.args_from, plan[0][1]) if args.args_from else None
+    for path in [p for _, p, _ in plan] + ([builder[0]] if builder else []):
+        if not os.path.exists(path):  # fail fast on missing files before importing anything heavy
             raise UsageError(f"no such file: {path}")
     out = []
     modules: dict[str, Any] = {}
-    for _target, path, func in plan:
-        if path not in modules:  # on a terminal only: a usage error after it stays one line in a log
+
+    def load(path: str) -> Any:  # each file once, whether it holds targets, the input builder or both
+        key = os.path.realpath(path)
+        if key not in modules:  # on a terminal only: a usage error after it stays one line in a log
             progress.step(f"loading {path}…", tty_only=True)
-        module = modules.get(path) or _load(path)
-        modules[path] = module
+            modules[key] = _load(path)
+        return modules[key]
+
+    for _target, path, func in plan:
+        module = load(path)
         declared = _declared(module, path)
         names = [func] if func else list(declared)
         if not names:
@@ -139,13 +152,15 @@ def _targets(args: argparse.Namespace, progress: _Progress) -> list[tuple[str, C
         for name in names:
             fn = getattr(module, name, None)
             if fn is None or not callable(fn):
-                funcs = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_")
-                               and not n.isupper() and getattr(v, "__module__", None) == module.__name__)
+                funcs = _functions(module)
                 hint = f" (functions: {', '.join(funcs)})" if funcs else ""
                 raise UsageError(f"{path} has no function {name!r}{hint}")
             if args.arg:
                 inputs = tuple(parse_spec(s, rng) for s in args.arg)
-                _check_arity(fn, len(inputs), name)
+                _check_arity(fn, len(inputs), name, "--arg given")
+            elif builder is not None:
+                inputs = _built_inputs(load(builder[0]), *builder, args.seed, rng)
+                _check_arity(fn, len(inputs), name, f"inputs returned by {builder[0]}:{builder[1]}")
             elif name in declared:
                 decl = declared[name]
                 if callable(decl):
@@ -156,7 +171,8 @@ def _targets(args: argparse.Namespace, progress: _Progress) -> list[tuple[str, C
             else:
                 params = _params(fn)
                 raise UsageError(f"no inputs for {name}: give --arg SPEC once per parameter ({', '.join(params)}), "
-                                 f"e.g. --arg 'f32[128]:uniform(-1,1)', or declare GRADKIT_INPUTS in {path}")
+                                 f"e.g. --arg 'f32[128]:uniform(-1,1)', or --args-from FILE.py:FUNC (a function "
+                                 f"returning them), or declare GRADKIT_INPUTS in {path}")
             out.append((f"{path}:{name}", fn, inputs))
     return out
 
@@ -169,15 +185,68 @@ def _params(fn: Any) -> list[str]:
         return []
 
 
-def _check_arity(fn: Any, n: int, name: str) -> None:
+def _check_arity(fn: Any, n: int, name: str, given: str) -> None:
     try:
         sig = inspect.signature(fn)
         sig.bind(*range(n))
     except TypeError:
         params = _params(fn)
-        raise UsageError(f"{name} takes {len(params)} input(s) ({', '.join(params)}) but {n} --arg given") from None
+        raise UsageError(f"{name} takes {len(params)} input(s) ({', '.join(params)}) but {n} {given}") from None
     except ValueError:
         pass
+
+
+def _builder_target(spec: str, target_path: str) -> tuple[str, str]:
+    """``--args-from FILE.py:FUNC`` (or ``FUNC``, a function in the audited file) as (path, function name)."""
+    path, sep, func = spec.rpartition(":")
+    if not sep:  # a bare name: a function in the target's own file
+        path, func = (target_path, spec) if not spec.endswith(".py") else (spec, "")
+    if not func.isidentifier():
+        raise UsageError(f"cannot read --args-from {spec!r}: expected FILE.py:FUNC, the function in FILE.py that "
+                         "returns the tuple of inputs (or FUNC alone, for one in the audited file)")
+    if not path.endswith(".py"):
+        raise UsageError(f"--args-from {spec!r}: {path} is not a Python file (expected FILE.py:FUNC)")
+    return path, func
+
+
+def _built_inputs(module: Any, path: str, func: str, seed: int, rng: Any) -> tuple[Any, ...]:
+    """The inputs ``--args-from FILE.py:FUNC`` builds: ``FUNC()``, or ``FUNC(key)`` with ``jax.random.key(seed)``."""
+    where = f"--args-from {path}:{func}"
+    fn = getattr(module, func, None)
+    if fn is None or not callable(fn):
+        funcs = _functions(module)
+        hint = f" (functions: {', '.join(funcs)})" if funcs else ""
+        raise UsageError(f"{where}: {path} has no function {func!r}{hint}")
+    try:
+        sig: inspect.Signature | None = inspect.signature(fn)
+    except (TypeError, ValueError):
+        sig = None
+    required = [] if sig is None else [
+        p for p in sig.parameters.values() if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if len(required) > 1 or any(p.kind == p.KEYWORD_ONLY for p in required):
+        raise UsageError(f"{where}: {func} must take no parameter or one, a PRNG key (gradkit calls {func}() or "
+                         f"{func}(jax.random.key(seed))), but it requires {', '.join(p.name for p in required)}")
+    try:
+        if required:
+            import jax
+
+            result = fn(jax.random.key(seed))
+        else:
+            result = fn()
+    except Exception as e:
+        line = _user_line(e, path)
+        raise UsageError(f"{where}: {func}() raised {type(e).__name__}: {_first_line(str(e))}"
+                         + (f" (at {path}{line})" if line else "") + "; fix it, or run it alone to see the "
+                         "traceback") from None
+    if not isinstance(result, (tuple, list)):
+        raise UsageError(f"{where}: {func} must return a tuple (or list) of the audited function's inputs, one per "
+                         f"parameter, got {type(result).__name__}; for a function of one input, return (value,)")
+    return tuple(materialize(v, rng, f"{where}: input {k}") for k, v in enumerate(result))
+
+
+def _functions(module: Any) -> list[str]:
+    return sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_")
+                  and not n.isupper() and getattr(v, "__module__", None) == module.__name__)
 
 
 def _table(spec: str | None) -> tuple[Any, str]:
@@ -275,7 +344,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
                         progress=progress.sweep(name) if args.sweep else None)
             reports.append((label, rep))
         except GradkitError as e:
-            msg = str(e).removeprefix("[gradkit] ")
+            msg = _one_line(str(e).removeprefix("[gradkit] "))
             # the user's exception it replaced, if any, still knows the line in the file that raised it
             line = _user_line(e.__context__, path) if e.__context__ is not None else ""
             errors.append((label, msg + (f" (raised at {path}{line})" if line else "")))
@@ -291,23 +360,33 @@ def cmd_audit(args: argparse.Namespace) -> int:
                "functions": [dict(r.to_dict(), target=label) for label, r in reports]
                + [{"target": label, "error": msg} for label, msg in errors]}
         print(json.dumps(doc, indent=2))
-    else:
+    elif reports:  # a function that could not be audited has no report: its one line goes to stderr below
         files = sorted({label.rsplit(":", 1)[0] for label, _, _ in targets})
         print(f"gradkit audit: {', '.join(files)}" + (f" (table {table_name})" if table_name else "") + "\n")
         for _, r in reports:
             print(str(r) + "\n")
-        for label, msg in errors:
-            print(f"ERROR    {label}\n         {msg}\n")
         n = len(reports) + len(errors)
         summary = f"{n} function{'s' if n != 1 else ''} audited: {n - findings - len(errors)} ok"
         if findings:
             summary += f", {findings} with non-finite gradients"
         if errors:
-            summary += f", {len(errors)} could not be audited"
+            summary += f", {len(errors)} could not be audited (see stderr)"
         print(summary)
-    if errors:  # reported once, in the report above (text or JSON)
+    if errors:  # exit 2: one [gradkit] line each on stderr, after the report, as for any usage error
+        sys.stdout.flush()
+        source = ("the --arg inputs" if args.arg else f"the inputs from --args-from {args.args_from}"
+                  if args.args_from else "the inputs declared in the file (GRADKIT_INPUTS)")
+        for label, msg in errors:
+            name = label.rsplit(":", 1)[1]
+            sys.stderr.write(f"[gradkit] {label} could not be audited: {msg.rstrip('. ')}; check that {source} "
+                             f"fit {name}'s parameters (dtype, shape, structure)\n")
+        sys.stderr.flush()
         return EXIT_USAGE
     return EXIT_FINDINGS if findings else EXIT_OK
+
+
+def _one_line(msg: str) -> str:
+    return " ".join(ln.strip() for ln in msg.strip().splitlines() if ln.strip())
 
 
 def _version() -> str:
@@ -469,6 +548,32 @@ def _show(g: Any) -> str:
 # --------------------------------------------------------------------------- entry point
 
 
+AUDIT_EPILOG = """\
+inputs, one of three ways:
+  --arg SPEC, once per parameter of FUNC (one array each; SPEC as above):
+    gradkit audit model.py:loss --arg "f32[128]:normal(0,1)" --arg "bool[128]"
+  --args-from FILE.py:MAKE, a function that returns the tuple of FUNC's
+  inputs, pytrees allowed (a model's parameters). gradkit calls MAKE() when
+  it takes no parameter, else MAKE(key), key = jax.random.key(--seed):
+    def make_inputs(key):              # in model.py
+        return model.init(key, x), x, labels
+    gradkit audit model.py:loss --args-from model.py:make_inputs
+  GRADKIT_INPUTS in the file: a dict from function name to its tuple of
+  inputs, or a function without parameters returning that dict;
+  `gradkit audit FILE.py` audits every function it names:
+    GRADKIT_INPUTS = {"loss": (params, x, labels),
+                      "nll": ("f32[16]:normal(0,1)", "f32[16]:zeros")}
+  There each input is an array, a number, a pytree, or a SPEC string.
+
+exit codes:
+  0  every gradient is finite
+  1  a finding remains (a non-finite gradient)
+  2  a usage error: bad arguments or inputs, a file that cannot be read, a
+     function that fails on its inputs. One line on stderr per problem,
+     starting with [gradkit], says which and how to fix it.
+"""
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> Any:  # one line, exit 2, no usage dump
         raise UsageError(f"{message} (see gradkit {self.prog.split()[-1] if ' ' in self.prog else ''} --help)"
@@ -481,18 +586,23 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="{audit,rules,demo}")
     a = sub.add_parser("audit", help="find where NaN/inf gradients are born in functions of a file",
                        description="Audit functions in FILE.py: where non-finite gradients are born, and what "
-                                   "fixes them. Exit code 0 when every gradient is finite, 1 when a finding "
-                                   "remains, 2 for bad arguments.")
+                                   "fixes them.",
+                       epilog=AUDIT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     a.add_argument("targets", nargs="+", metavar="FILE.py[:FUNC]",
                    help="a file (audits the functions its GRADKIT_INPUTS names) or one function in it")
     a.add_argument("--arg", action="append", default=[], metavar="SPEC",
                    help=f"an input of FUNC, once per positional parameter: {SPEC_HELP}")
+    a.add_argument("--args-from", metavar="FILE.py:MAKE",
+                   help="FUNC's inputs from a function: MAKE() or MAKE(key) returns the tuple of inputs, one per "
+                        "parameter, pytrees allowed (a model's parameters); key is jax.random.key(--seed). "
+                        "MAKE alone names a function in FUNC's own file")
     a.add_argument("--json", action="store_true", help="print a JSON report instead of text")
     a.add_argument("--sweep", action="store_true", help="also probe edge values (0, ±1e-30, ±100, ±1e30, …)")
     a.add_argument("--table", metavar="NAME|FILE.toml",
                    help="audit with this rule table applied (a gradkit.tables name such as SAFE, or a TOML "
                         "file) and report which rules fired")
-    a.add_argument("--seed", type=int, default=0, help="seed for random --arg values (default 0)")
+    a.add_argument("--seed", type=int, default=0,
+                   help="seed for random spec values and for the key given to --args-from (default 0)")
     a.add_argument("--no-fix", action="store_true", help="do not re-run the suggested fixes")
     a.add_argument("-q", "--quiet", action="store_true",
                    help="no progress on stderr (by default it shows what is running, also when piped)")

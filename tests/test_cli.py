@@ -165,19 +165,24 @@ def test_a_function_that_raises_is_reported_once(capsys, tmp_path):
         """))
     assert main(["audit", str(path), "--quiet"]) == 2
     cap = capsys.readouterr()
-    assert cap.err == ""
-    assert cap.out.count("contracting dimensions") == 1, cap.out
-    assert cap.out.count("x must be sorted") == 1, cap.out
-    assert "ValueError: x must be sorted (raised at " + f"{path}:10)" in cap.out  # names the line
-    assert f"(raised at {path}:7)" in cap.out
-    assert f"ERROR    {path}:broken\n" in cap.out and f"ERROR    {path}:raises\n" in cap.out
-    assert cap.out.rstrip().endswith("3 functions audited: 1 ok, 2 could not be audited")
-    # without --quiet, stderr carries progress only, never a second copy of the errors
+    # the report of the function that could be audited on stdout; one [gradkit] line per failure on stderr
+    assert "ok       ok(x: f32[3])" in cap.out and "ERROR" not in cap.out
+    assert cap.out.rstrip().endswith("3 functions audited: 1 ok, 2 could not be audited (see stderr)")
+    errors = cap.err.splitlines()
+    assert [e.split(" could not be audited: ")[0] for e in errors] == [f"[gradkit] {path}:broken",
+                                                                       f"[gradkit] {path}:raises"], cap.err
+    assert cap.err.count("contracting dimensions") == 1, cap.err
+    assert cap.err.count("x must be sorted") == 1, cap.err
+    assert "ValueError: x must be sorted (raised at " + f"{path}:10)" in errors[1]  # names the line
+    assert f"(raised at {path}:7)" in errors[0]
+    assert all("check that the inputs declared in the file (GRADKIT_INPUTS) fit" in e for e in errors)
+    # without --quiet, stderr carries progress, then the errors once each
     assert main(["audit", str(path)]) == 2
     cap = capsys.readouterr()
-    assert cap.err.splitlines() == [f"[gradkit] auditing {n} ({k}/3)…" for k, n in
-                                    enumerate(["ok", "broken", "raises"], 1)]
-    assert cap.out.count("contracting dimensions") == 1 and cap.out.count("x must be sorted") == 1
+    lines = cap.err.splitlines()
+    assert lines[:3] == [f"[gradkit] auditing {n} ({k}/3)…" for k, n in enumerate(["ok", "broken", "raises"], 1)]
+    assert lines[3:] == errors
+    assert "contracting dimensions" not in cap.out and "x must be sorted" not in cap.out
 
 
 def test_files_are_modules_while_they_run(capsys, tmp_path):

@@ -10,16 +10,19 @@ import json
 import re
 from typing import Any
 
+DTYPE_HELP = ("f16 (or float16), bf16 (bfloat16), f32 (float32), f64 (float64), i32 (int32), i64 (int64) "
+              "or bool")
 SPEC_HELP = (
     "DTYPE[SHAPE][:VALUES], e.g. f32[128]:uniform(-1,1), f64[4,3]:normal(0,2), f32[]:100, "
-    "f32[3]:[0,1,2], i32[8]:randint(0,10), bool[8]:bernoulli(0.5). DTYPE is f16, bf16, f32, f64, i32, i64 "
-    "or bool; VALUES is uniform(lo,hi), normal(mean,std), linspace(lo,hi), randint(lo,hi), bernoulli(p), "
-    "zeros, ones, full(v), a number or a list (default: normal(0,1) for floats)")
+    f"f32[3]:[0,1,2], i32[8]:randint(0,10), bool[8]:bernoulli(0.5). DTYPE is {DTYPE_HELP}; VALUES is "
+    "uniform(lo,hi), normal(mean,std), linspace(lo,hi), randint(lo,hi) (hi excluded), bernoulli(p) (p in [0,1]), "
+    "zeros, ones, full(v), a number or a list (default: normal(0,1) for floats, randint(0,10) for integers, "
+    "bernoulli(0.5) for bool)")
 
 _DTYPES = {"f16": "float16", "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16",
            "f32": "float32", "float32": "float32", "f64": "float64", "float64": "float64",
            "i32": "int32", "int32": "int32", "i64": "int64", "int64": "int64", "bool": "bool"}
-_SPEC = re.compile(r"^\s*(?P<dtype>[a-z0-9]+)\s*\[(?P<shape>[^\]]*)\]\s*(?::\s*(?P<values>.+?))?\s*$")
+_SPEC = re.compile(r"^\s*(?P<dtype>[A-Za-z0-9]+)\s*\[(?P<shape>[^\]]*)\]\s*(?::\s*(?P<values>.+?))?\s*$")
 _CALL = re.compile(r"^(?P<name>[a-z_]+)\s*(?:\((?P<args>[^()]*)\))?$")
 
 
@@ -40,10 +43,9 @@ def parse_spec(spec: str, rng: Any) -> Any:
     m = _SPEC.match(text)
     if not m:
         raise UsageError(f"cannot parse input spec {spec!r}: expected {SPEC_HELP}")
-    dtype_name = _DTYPES.get(m["dtype"])
+    dtype_name = _DTYPES.get(m["dtype"].lower())
     if dtype_name is None:
-        raise UsageError(f"input spec {spec!r}: unknown dtype {m['dtype']!r} (use one of f16, bf16, f32, f64, "
-                         "i32, i64, bool)")
+        raise UsageError(f"input spec {spec!r}: unknown dtype {m['dtype']!r} (use {DTYPE_HELP})")
     try:
         shape = tuple(int(d) for d in m["shape"].replace(" ", "").split(",") if d != "")
     except ValueError:
@@ -99,6 +101,7 @@ def _generate(values: str, shape: tuple[int, ...], kind: str, rng: Any, spec: st
         raise UsageError(f"input spec {spec!r}: unknown generator {name!r} (use {', '.join(need)})")
     if len(args) != need[name]:
         raise UsageError(f"input spec {spec!r}: {name} takes {need[name]} argument(s), got {len(args)}")
+    _check_args(name, args, spec)
     size = int(np.prod(shape)) if shape else 1
     if name == "uniform":
         return rng.uniform(args[0], args[1], size=shape)
@@ -113,6 +116,27 @@ def _generate(values: str, shape: tuple[int, ...], kind: str, rng: Any, spec: st
     if name == "full":
         return np.full(shape, args[0])
     return np.zeros(shape) if name == "zeros" else np.ones(shape)
+
+
+def _check_args(name: str, args: list[float], spec: str) -> None:
+    """Generator arguments that would give a wrong or surprising input are usage errors, not silent values."""
+    import math
+
+    if name == "full":  # full(inf), full(nan): edge values on purpose
+        return
+    if not all(math.isfinite(a) for a in args):
+        raise UsageError(f"input spec {spec!r}: {name}'s arguments must be finite numbers; for inf or nan "
+                         "everywhere use full(inf) or full(nan), or list the values")
+    if name == "bernoulli" and not 0.0 <= args[0] <= 1.0:
+        raise UsageError(f"input spec {spec!r}: bernoulli(p) needs a probability p in [0, 1], got {args[0]:g}")
+    if name == "normal" and args[1] < 0:
+        raise UsageError(f"input spec {spec!r}: normal(mean,std) needs std >= 0, got {args[1]:g}")
+    if name == "uniform" and args[0] > args[1]:
+        raise UsageError(f"input spec {spec!r}: uniform(lo,hi) needs lo <= hi, got lo = {args[0]:g}, "
+                         f"hi = {args[1]:g}")
+    if name == "randint" and (int(args[0]) != args[0] or int(args[1]) != args[1] or args[0] >= args[1]):
+        raise UsageError(f"input spec {spec!r}: randint(lo,hi) needs integers lo < hi (hi is excluded), "
+                         f"got {args[0]:g}, {args[1]:g}")
 
 
 def materialize(value: Any, rng: Any, where: str) -> Any:
