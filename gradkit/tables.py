@@ -53,6 +53,24 @@ matches functions by name.
     because a product underflowed gives 0 where the true gradient may not be:
     check with ``gk.audit``.
 
+Opt-in ``{"exp": "safe", "dot_general": "safe"}`` (fully masked softmax rows)
+  A softmax over a row whose scores are all ``-inf`` (``jnp.where(mask,
+  scores, -jnp.inf)`` with a row fully masked) is NaN in the forward pass: its
+  max shift computes ``-inf - (-inf)``. A loss that drops the row with a
+  ``where`` is finite and so is its true gradient, but JAX's is NaN: the
+  backward multiplies the NaN row by its zero cotangent in ``exp``'s
+  derivative and in the product with V (``p @ v``: V's cotangent is
+  ``p^T g``). These two rules, not in any ready table, give those products 0:
+  ``exp`` where its value is NaN (an overflow's ``0 * inf`` stays NaN), and
+  ``dot_general`` (``@``, ``einsum``) for a row that is non-finite along the
+  whole contraction, where the (co)tangent it meets is 0. Elsewhere they are
+  JAX's derivative (XLA may round the last bit differently).
+  ``gk.override(loss, gk.tables.SAFE | {"exp": "safe", "dot_general": "safe"})``
+  fixes it with no code change (``gk.audit`` finds and verifies it). A loss
+  that multiplies the NaN row by 0 has a NaN value (``NaN * 0``): no rule
+  fixes that; mask with ``jnp.finfo(dtype).min`` or ``jax.nn.softmax(scores,
+  where=mask)``, and drop rows with ``jnp.where``.
+
 ``STRAIGHT_THROUGH``
   ``round``, ``floor``, ``ceil``, ``sign``: the identity's derivative
   (straight-through estimator). It does not make the forward pass

@@ -40,7 +40,7 @@ import numpy as np
 from gradkit import tables
 from gradkit._src import compat, library, walk
 from gradkit._src.audit_explain import Selection, loc, via, zero_cotangent
-from gradkit._src.audit_patterns import Rewrite, find, stable_doc
+from gradkit._src.audit_patterns import Rewrite, find, masked_row_advice, stable_doc
 from gradkit._src.audit_program import Program, gradient
 from gradkit._src.audit_report import Fix
 from gradkit._src.audit_verify import Reference, value_check
@@ -98,6 +98,10 @@ def suggest(root: Selection, chain: Sequence[Selection], closed: Any) -> list[Ca
             f"`exp` overflows (above 88.7 in float32) at {line}: rewrite the expression so that exp is only "
             "taken of non-positive numbers (gk.stable.log1pexp, gk.stable.logsumexp, gk.stable.softmax)."),
             note="no stable function matches this expression")))
+    masked = masked_row_advice(closed, rb.eqn, line) if rb.phase == "forward" and rb.eqn is not None else ""
+    if masked:
+        cands.append(Candidate(Fix("code", "masked row", f"or change the code: {masked}.",
+                                   note="a code change: not re-run")))
     cands += table_routes(chain, closed)
     twins = find(closed, births, "primitive")
     cands += [_rewrite(rw) for rw in twins]
@@ -171,12 +175,15 @@ def table_routes(chain: Sequence[Selection], closed: Any) -> list[Candidate]:
         upcast = all(r.key[1:2] == ("upcast_backward",) for r in tbl.values())
         if used and (low or not upcast):
             parts.append(_Part(f"gradkit.tables.{name}", f"gk.tables.{name}", tbl, bool(used & chain_ops)))
+    # A NaN born in the forward pass and dropped later (a fully masked softmax row under a `where`)
+    # reaches the gradient through products anywhere downstream: opt-in rules for any op of the program.
+    masked_value = bool(chain) and chain[0].birth.phase == "forward"
     for fam, op, keys in _opt_in_rules():
-        hit = [k for k in keys if k in chain_ops]
+        hit = [k for k in keys if k in chain_ops or (masked_value and k in prog_ops)]
         if hit:
             entry = "{" + ", ".join(f'"{k}": "{fam}"' for k in hit) + "}"
             rule_table = RuleTable({k: library.make_rule(fam, k, {"op": op}) for k in hit})
-            parts.append(_Part(entry, entry, rule_table, True))
+            parts.append(_Part(entry, entry, rule_table, any(k in chain_ops for k in hit)))
     parts.sort(key=lambda q: not q.on_chain)  # stable: the tables that cover an op of the chain first
     routes: list[Candidate] = []
     for size in range(1, len(parts) + 1):
@@ -315,9 +322,14 @@ def choose_fix(cands: list[Candidate], prog: Program, fn: Any, table: Any, close
         if 0 < bad < original.bad:
             partial.append(c)
     advice = [c.fix for c in cands if not c.runnable]
-    double_where = [a for a in advice if a.name == "double where"]
+    double_where = [a for a in advice if a.name in ("double where", "masked row")]
     if found is None:
         found = _combinations(cands, partial, tried, prog, fn, table, closed, original)
+    # A rule changes derivatives only, never the value: where the value is NaN/inf and no route (a
+    # rewrite of the formula, alone or with a table) verified, no table can: say so, and what to change.
+    masked_row = any(a.name == "masked row" for a in advice)
+    if found is None and masked_row and any(count_nonfinite(o) for o in original.outputs):
+        return _no_table(tried, advice), tuple(tried) + tuple(a for a in double_where if a.name != "masked row")
     if found is None:
         return _nothing_verified(tried, advice), tuple(tried) + tuple(double_where)
     also: list[Fix] = []
@@ -370,6 +382,17 @@ def _pair(a: Candidate, b: Candidate) -> Candidate:
                               location=f"{fa.location}; {fb.location}", replaces=f"{fa.replaces}; {fb.replaces}",
                               advice=f"{fa.advice} Also {fb.advice[0].lower()}{fb.advice[1:]}")
     return Candidate(fix, patches=(a.patches or ()) + (b.patches or ()))
+
+
+def _no_table(tried: Sequence[Fix], advice: Sequence[Fix]) -> Fix:
+    """The shown fix when the value itself is NaN/inf (a fully masked softmax row times 0): no rule table can fix
+    it — a rule changes derivatives only — and what to change in the code."""
+    change = next(a.advice for a in advice if a.name == "masked row").removeprefix("or change the code: ")
+    names = ", ".join(f.expression or f.name for f in tried)
+    ran = f" (re-ran {len(tried)} route(s): {names}; none verified)" if tried else ""
+    text = (f"no rule table fixes this: the function's value is already NaN/inf, and a rule changes only "
+            f"derivatives, never the value{ran}. Change the code: {change}")
+    return Fix("none", "", text, note="the code change is not re-run: apply it and audit again")
 
 
 def _nothing_verified(tried: Sequence[Fix], advice: Sequence[Fix]) -> Fix:

@@ -511,3 +511,58 @@ def find(closed: Any, births: Sequence[compat.JaxprEqn], group: str | None = Non
                     break
     found.sort(key=lambda t: (t[0], t[1]))
     return [rw for _, _, rw in found]
+
+
+# --------------------------------------------------------------------------- a fully masked softmax row
+
+
+def _producer(jaxpr: Any) -> dict[Any, compat.JaxprEqn]:
+    return {v: e for e in jaxpr.eqns for v in e.outvars}
+
+
+def max_shift(closed: Any, eqn: compat.JaxprEqn) -> bool:
+    """``eqn`` is the max shift ``x - max(x)`` of a softmax, log_softmax or logsumexp.
+
+    Its second operand is the row maximum of its first: a ``reduce_max`` of
+    it, through ``max(-inf, .)``, ``stop_gradient``, broadcasts and reshapes.
+    A row of ``x`` that is all ``-inf`` gives ``-inf - (-inf) = NaN`` here for
+    the whole row (a fully masked attention row).
+    """
+    if eqn.primitive.name != "sub" or len(eqn.invars) != 2:
+        return False
+    holder = next((j for e, j in walk.equations(closed) if e is eqn), None)
+    if holder is None:
+        return False
+    prod = _producer(holder)
+    x, atom = eqn.invars
+    for _ in range(8):
+        src = None if compat.is_literal(atom) else prod.get(atom)
+        if src is None:
+            return False
+        name = src.primitive.name
+        if name == "reduce_max":
+            return src.invars[0] is x
+        if name in ("broadcast_in_dim", "reshape", "stop_gradient", "convert_element_type", "squeeze",
+                    "expand_dims"):
+            atom = src.invars[0]
+        elif name == "max" and len(src.invars) == 2:
+            lit = [a for a in src.invars if compat.is_literal(a)]
+            if not lit:
+                return False
+            atom = next(a for a in src.invars if not compat.is_literal(a))
+        else:
+            return False
+    return False
+
+
+def masked_row_advice(closed: Any, eqn: compat.JaxprEqn, line: str) -> str:
+    """The code change for a softmax over a fully ``-inf`` row (``""`` when ``eqn`` is not such a max shift)."""
+    if not max_shift(closed, eqn):
+        return ""
+    text = source_text(eqn) or source_text(_Source(closed).holder(eqn))
+    call = f" (`{text}`)" if text else ""
+    return (f"a row whose scores are all -inf (fully masked) makes the max shift of the softmax at {line}{call} "
+            "compute -inf - (-inf) = NaN for the whole row. Mask with a finite value instead, "
+            "`jnp.where(mask, scores, jnp.finfo(scores.dtype).min)`, or pass the mask as "
+            "`jax.nn.softmax(scores, where=mask)` (a fully masked row is then 0); and drop padded rows with "
+            "`jnp.where`, not by multiplying by 0 (NaN * 0 is NaN)")

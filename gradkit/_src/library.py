@@ -99,6 +99,14 @@ SAFE_FAMILY: dict[str, OpRule] = {r.op: r for r in [
     _safe("reduce_max", "a 0/1 mask over the maximal elements: inf * 0 in reverse mode"),
     _safe("reduce_min", "a 0/1 mask over the minimal elements: inf * 0 in reverse mode"),
     _safe("mul", "the other operand: x * log(x) is 0 * -inf at 0; a 0/1 mask times an infinite derivative"),
+    # Opt-in (no ready table ships them): a fully masked softmax row (every score -inf) is NaN in the
+    # forward pass; a loss that drops it with a `where` is finite, but its gradient multiplies the NaN
+    # row by its zero cotangent in `exp` and in the matrix product with V:
+    # gk.override(loss, gk.tables.SAFE | {"exp": "safe", "dot_general": "safe"}).
+    OpRule("exp", "exp(x): 0 * NaN is 0 where the value is NaN (a fully masked softmax row); an overflow's "
+           "0 * inf stays NaN", safe_rules.safe_exp_rule, ("exp",), None),
+    OpRule("dot_general", "matmul/einsum: a row that is NaN/inf along the whole contraction (a fully masked "
+           "softmax row) times a zero (co)tangent is 0", safe_rules.safe_dot_general_rule, ("dot_general",), None),
 ]}
 
 

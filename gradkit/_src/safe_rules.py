@@ -277,3 +277,98 @@ def safe_rule(target: str) -> Callable[[OpView, tuple[Any, ...]], Any]:
         return out[0] if len(out) == 1 else tuple(out)
 
     return rule
+
+
+# --------------------------------------------------------------------------- opt-in: a fully masked row's NaN
+#
+# A softmax over a row whose scores are all -inf computes -inf - (-inf) = NaN for the whole row in its
+# max shift. A loss that drops that row with a `where` has a finite value, but the backward pass
+# multiplies the row's NaN by its zero cotangent: in `exp`'s derivative (exp(x) t) and in the matrix
+# product that follows (p @ v: v's cotangent is p^T g). These rules give those products exactly 0 where
+# the (co)tangent is 0 and the value is NaN: the derivative of a loss that never uses the row.
+
+
+def safe_exp_rule() -> Callable[[OpView, tuple[Any, ...]], Any]:
+    """``exp``'s JVP ``t * exp(x)``, 0 where ``t`` is 0 and the value is NaN (a NaN input); JAX's elsewhere.
+
+    An overflowed ``exp`` (``inf``) keeps JAX's ``0 * inf = NaN``: a zero
+    cotangent reaching it is usually ``1/inf`` from downstream, not a mask
+    (why ``exp`` is not in SAFE).
+    """
+
+    def rule(op: OpView, tangents: tuple[Any, ...]) -> Any:
+        t = tangents[0] if tangents else None
+        if t is None:
+            return None
+        y = op.outputs[0]
+        t = as_dtype(t, compat.aval_of(y).dtype)
+        nan = jnp.isnan(y)
+        # both branches are transposed: the plain product must not meet the NaN either
+        return jnp.where(nan, compat.safe_scale(t, y), t * jnp.where(nan, jnp.zeros((), y.dtype), y))
+
+    return rule
+
+
+def _dead_term(prim: Any, params: dict[str, Any], primal: Any, t: Any, primal_is_lhs: bool, out_aval: Any) -> Any:
+    """The tangent term ``dot(primal, t)`` (or ``dot(t, primal)``), 0 where ``t`` meets a dead row as 0.
+
+    A dead row of ``primal``: all its elements along the contracting dims are non-finite (a fully
+    masked softmax row). Its products with ``t`` are 0 where the ``t`` it meets is 0 — the
+    two-sided zero product of SAFE, for the row as a whole — and NaN elsewhere (JAX gives NaN or
+    inf there). Rows with some finite elements are JAX's. Linear in ``t``: the dead rows are zeroed
+    in the primal, and their contribution is ``safe_scale`` of a NaN by ``t``'s sum along the
+    contraction, broadcast over the dead rows.
+    """
+    (lc, rc), (lb, rb) = params["dimension_numbers"]
+    pc, pb, tc, tb = (lc, lb, rc, rb) if primal_is_lhs else (rc, rb, lc, lb)
+    pc, pb, tc, tb = (tuple(int(d) for d in x) for x in (pc, pb, tc, tb))
+    shape, dtype = tuple(out_aval.shape), out_aval.dtype
+    nb = len(pb)
+    p_free = [d for d in range(np.ndim(primal)) if d not in pc and d not in pb]
+    t_free = [d for d in range(np.ndim(t)) if d not in tc and d not in tb]
+    size = int(np.prod([np.shape(primal)[d] for d in pc], dtype=np.int64))
+    dead = jnp.all(~jnp.isfinite(primal), axis=pc, keepdims=True) & (size > 0)
+    rest_primal = jnp.where(dead, jnp.zeros((), primal.dtype), primal)
+    args = [rest_primal, t] if primal_is_lhs else [t, rest_primal]
+    rest = compat.bind_primitive(prim, args, params)[0]
+    # the output dims of the primal's free dims, and of t's
+    p_at, t_at = (nb, nb + len(p_free)) if primal_is_lhs else (nb + len(t_free), nb)
+    keep_p = [d for d in range(np.ndim(primal)) if d not in pc]
+    m = jnp.squeeze(dead, axis=pc) if pc else dead
+    m = lax.transpose(m, tuple([keep_p.index(d) for d in pb] + [keep_p.index(d) for d in p_free]))
+    m_out = lax.broadcast_in_dim(m, shape, tuple(range(nb)) + tuple(range(p_at, p_at + len(p_free))))
+    nan = jnp.full(np.shape(t), jnp.nan, t.dtype)
+    hit = compat.safe_scale(t, nan)  # NaN where t is not 0, else 0: linear in t
+    e = jnp.sum(hit, axis=tc) if tc else hit
+    keep_t = [d for d in range(np.ndim(t)) if d not in tc]
+    e = lax.transpose(e, tuple([keep_t.index(d) for d in tb] + [keep_t.index(d) for d in t_free]))
+    e_out = lax.broadcast_in_dim(as_dtype(e, dtype), shape, tuple(range(nb)) + tuple(range(t_at, t_at + len(t_free))))
+    bad = compat.safe_scale(e_out, as_dtype(m_out, dtype))  # the NaN only on dead rows (0 · NaN is 0 here)
+    rest = as_dtype(rest, dtype)
+    return jnp.where(m_out, rest + bad, rest)
+
+
+def safe_dot_general_rule() -> Callable[[OpView, tuple[Any, ...]], Any]:
+    """``dot_general``'s JVP with dead rows (all non-finite along the contraction) 0 where their tangent is 0."""
+    prim = compat.primitive_by_name("dot_general")
+
+    def rule(op: OpView, tangents: tuple[Any, ...]) -> Any:
+        params = dict(op.params)
+        if "dimension_numbers" not in params or len(op.inputs) != 2:
+            raise GradkitError(
+                f"rule gradkit.safe[dot_general] for op '{op.name}' at {op.source}: the op is not a "
+                "lax.dot_general (no dimension_numbers). Use {\"dot_general\": \"safe\"} on the primitive "
+                "dot_general (jnp.matmul, @, jnp.einsum, jnp.dot).")
+        lhs, rhs = op.inputs
+        out_aval = compat.aval_of(op.outputs[0])
+        terms = []
+        for k, (primal, t) in enumerate(((lhs, tangents[1]), (rhs, tangents[0]))):
+            if t is None or not _is_inexact(t):
+                continue
+            t = as_dtype(t, compat.aval_of(op.inputs[1 - k]).dtype)
+            terms.append(_dead_term(prim, params, primal, t, k == 0, out_aval))
+        if not terms:
+            return None
+        return terms[0] if len(terms) == 1 else terms[0] + terms[1]
+
+    return rule

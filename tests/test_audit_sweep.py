@@ -1,0 +1,107 @@
+"""The sweep probes every input kind: masks, indices, floats; and says what it probed per input (issue 29.1)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import gradkit as gk
+from gradkit._src.audit_sweep import BUDGET, Sweep
+
+
+def attention(scores, v, mask):
+    """Masked-softmax attention: a fully masked row is NaN forward, dropped by a where; its gradient is NaN."""
+    s = jnp.where(mask, scores, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    valid = mask.any(-1)
+    return jnp.sum(jnp.where(valid[:, None], p @ v, 0.0))
+
+
+def _random_mask():
+    for seed in range(100):  # a bernoulli(0.7) mask with no all-False row: the case that passed before
+        mask = jax.random.bernoulli(jax.random.key(seed), 0.7, (8, 5))
+        if bool(mask.any(-1).all()):
+            return mask
+    raise AssertionError("no mask without a fully masked row")
+
+
+def test_sweep_finds_a_fully_masked_row_from_a_random_mask():
+    mask = _random_mask()
+    scores = jax.random.normal(jax.random.key(1), (8, 5))
+    v = jax.random.normal(jax.random.key(2), (5, 3))
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.grad(attention, (0, 1))(scores, v, mask))
+    r = gk.audit(attention, scores, v, mask, table=gk.tables.SAFE, sweep=True)
+    assert r.finite and not r.ok  # finite at the audited mask, but a mask pattern breaks it
+    broken = {p.probe for p in r.sweep if p.input == "mask"}
+    assert "mask all False" in broken
+    assert any(b.startswith("mask[0,:] all False") for b in broken), broken
+    assert all(p.op == "sub" for p in r.sweep if p.input == "mask")  # located: the softmax's max shift
+    assert not any(b.startswith("mask all True") for b in broken)
+    # independent check: plain jax.grad at the first reported pattern is NaN
+    row = np.asarray(mask).copy()
+    row[0, :] = False
+    assert not bool(jnp.all(jnp.isfinite(jax.grad(attention, 1)(scores, v, jnp.asarray(row)))))
+    # what was probed, per input
+    assert isinstance(r.sweep, Sweep) and r.sweep.complete
+    rec = {i.input: i for i in r.sweep.inputs}
+    assert rec["mask"].kind == "bool" and rec["mask"].broken == 2
+    assert {"all False", "all True", "row [0,:] all False", "row [:,0] all False", "one True per row"} <= set(
+        rec["mask"].probes)
+    assert rec["scores"].kind == "float" and "0 (all elements)" in rec["scores"].probes
+    assert rec["mask"].summary().startswith("mask: 7 patterns (all False, row [0,:] all False")
+    assert r.probes <= BUDGET
+
+
+def test_integer_inputs_are_probed_at_index_extremes():
+    def edge_lengths(x, edges):  # a repeated index (a self-loop) is a zero-length edge: sqrt'(0) = inf
+        d = x[edges[:, 0]] - x[edges[:, 1]]
+        return jnp.sum(jnp.sqrt(jnp.sum(d * d, axis=-1)))
+
+    edges = jnp.array([[0, 1], [1, 2], [2, 3]])  # distinct ends: finite gradient
+    x = jnp.array([[0.0, 1.0], [2.0, 0.5], [1.0, 3.0], [4.0, 4.0]])
+    assert bool(jnp.all(jnp.isfinite(jax.grad(edge_lengths)(x, edges))))
+    r = gk.audit(edge_lengths, x, edges, sweep=True)
+    assert r.finite and not r.ok
+    broken = {p.probe for p in r.sweep if p.input == "edges"}
+    assert any(b.startswith("edges all 0") for b in broken), broken  # every index repeated
+    assert not bool(jnp.all(jnp.isfinite(jax.grad(edge_lengths)(x, jnp.zeros_like(edges)))))  # independent
+    rec = {i.input: i for i in r.sweep.inputs}["edges"]
+    assert rec.kind == "int" and {"all 0", "all 3", "all -1"} <= set(rec.probes)
+    tried = set(rec.probes) | {q.split(":")[0] for q in rec.rejected}
+    assert "[0,0] = max" in tried and "[0,0] = min" in tried
+    assert rec.summary().startswith("edges: ")
+
+
+def test_inputs_not_varied_say_why_and_the_budget_holds():
+    def loss(ws, key):
+        return sum(jnp.sum(jnp.tanh(w)) for w in ws) + 0.0 * jax.random.normal(key)
+
+    ws = [jnp.ones(2) * k for k in range(40)]
+    r = gk.audit(loss, ws, jax.random.key(0), sweep=True)
+    assert r.probes == BUDGET  # 40 inputs x 22 probes, cut to the budget
+    recs = {i.input: i for i in r.sweep.inputs}
+    assert recs["key"].kind == "key" and recs["key"].not_varied.startswith("a PRNG key")
+    assert "not varied: a PRNG key" in recs["key"].summary()
+    assert not r.sweep.complete
+    assert all(i.varied for n, i in recs.items() if n != "key")  # every float input got a turn (40 < 64)
+    assert sum(len(i.probes) for i in r.sweep.inputs) == BUDGET
+    assert all(i.skipped > 0 for n, i in recs.items() if n != "key")
+
+
+def test_budget_reached_before_an_input_is_said():
+    def loss(*xs):
+        return sum(jnp.sum(jnp.sin(x)) for x in xs)
+
+    xs = [jnp.ones(2)] * (BUDGET + 3)
+    r = gk.audit(loss, *xs, sweep=True)
+    left = [i for i in r.sweep.inputs if not i.varied]
+    assert len(left) == 3 and all("budget" in i.not_varied for i in left)
+    assert r.probes == BUDGET and not r.sweep.complete
+
+
+def test_float_edge_values_still_found_and_each_breaks_plain_jax_grad():
+    f = lambda x: jnp.sum(jnp.sqrt(x * x + 1.0) * jnp.log1p(x * x))
+    r = gk.audit(f, jnp.ones(3), sweep=True)
+    broken = {p.probe for p in r.sweep}
+    assert "x = 1e30 (all elements)" in broken and "x = 1 (all elements)" not in broken
+    assert not bool(jnp.all(jnp.isfinite(jax.grad(f)(jnp.full(3, 1e30)))))
+    assert r.finite
