@@ -44,3 +44,11 @@ def test_the_audit_block_names_the_element():
     block = next(b for b in BLOCKS if "gk.audit(loss, jnp.array([-1.0" in b)
     ns, out = _run(block)
     assert ns["a"].findings[0].op == "log" and "x[2] = 0" in out
+
+
+def test_the_guard_block_raises_the_finding():
+    block = next(b for b in BLOCKS if "gk.guard(loss)" in b)
+    _, out = _run(block)
+    lines = out.strip().splitlines()
+    assert lines[0] == "3.0", lines  # the first step is fine
+    assert lines[-1].startswith("[gradkit] guard(loss)") and "born at `sqrt`" in lines[-1], lines
