@@ -8,6 +8,8 @@ from typing import Any
 import jax
 from jax import lax as _lax
 from jax._src import core as _core
+from jax._src.interpreters import mlir as _mlir_src
+from jax._src.lib.mlir.dialects import hlo as _hlo
 from jax.interpreters import ad as _ad
 from jax.interpreters import batching as _batching
 from jax.interpreters import mlir as _mlir
@@ -152,4 +154,39 @@ safe_scale_p.def_abstract_eval(_safe_scale_abstract_eval)
 _ad.primitive_jvps[safe_scale_p] = _safe_scale_jvp
 _ad.primitive_transposes[safe_scale_p] = _safe_scale_transpose
 _batching.primitive_batchers[safe_scale_p] = _safe_scale_batch
-_mlir.register_lowering(safe_scale_p, _mlir.lower_fun(_safe_scale_value, multiple_results=False))
+# The lowering of the value for any dtype (complex ones among them): lax operations, traced per equation.
+_lower_by_tracing = _mlir.lower_fun(_safe_scale_value, multiple_results=False)
+# How JAX's own elementwise lowerings give their result its sharding (Explicit mesh axes): 0.9+ / 0.8.
+_typed_result = getattr(_mlir_src, "lower_with_explicit_types", None) or _mlir_src.lower_with_sharding_in_types
+
+
+def _safe_scale_lowering(ctx: Any, t: Any, d: Any, *, divide: bool) -> Sequence[Any]:
+    """StableHLO for a real ``safe_scale``: the operations of :func:`_safe_scale_value`, emitted directly.
+
+    Nothing is traced (``lower_fun`` traced the lax version again for every
+    equation), and "not finite" is ``not(is_finite(x))`` instead of
+    ``x - x != 0`` (one constant and one operation fewer per use). Every other
+    operation is the lax version's, in its order: the same comparisons
+    (``==``: XLA's CPU backend reads a subnormal as 0 there, and other forms
+    of the masks compile to other instructions that do not), the same
+    selects and the same final ``multiply``/``divide``, so the same bits.
+    Complex operands keep the lax version (``is_finite`` takes real values only).
+    """
+    aval = ctx.avals_in[0]
+    if not jax.numpy.issubdtype(aval.dtype, jax.numpy.floating):
+        return _lower_by_tracing(ctx, t, d, divide=divide)
+    zero = _mlir_src.full_like_aval(ctx, 0, aval)
+    t_zero = _mlir_src.compare_hlo(t, zero, "EQ", "FLOAT")
+    d_zero = _mlir_src.compare_hlo(d, zero, "EQ", "FLOAT")
+    if divide:
+        d_bad = _hlo.or_(d_zero, _hlo.not_(_hlo.is_finite(d)))
+        d_out = _hlo.select(_hlo.and_(t_zero, d_bad), _mlir_src.full_like_aval(ctx, 1, aval), d)
+        out = _hlo.divide(t, d_out)
+    else:
+        t_out = _hlo.select(_hlo.and_(d_zero, _hlo.not_(_hlo.is_finite(t))), zero, t)
+        d_out = _hlo.select(_hlo.and_(t_zero, _hlo.not_(_hlo.is_finite(d))), zero, d)
+        out = _hlo.multiply(t_out, d_out)
+    return [_typed_result(ctx, out, ctx.avals_out[0])]
+
+
+_mlir.register_lowering(safe_scale_p, _safe_scale_lowering)
