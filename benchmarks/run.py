@@ -292,9 +292,10 @@ def _extra_rows() -> list[Callable[[bool], list[dict[str, Any]]]]:
     import bench_f32_backward
     import bench_guard
     import bench_safe
+    import first_call
     import trace_cost
 
-    return [*trace_cost.ROWS, bench_custom_gradient.rows, bench_guard.rows, bench_f32_backward.rows,
+    return [*trace_cost.ROWS, *first_call.ROWS, bench_custom_gradient.rows, bench_guard.rows, bench_f32_backward.rows,
             bench_cache_memory.rows, bench_safe.rows]
 
 
