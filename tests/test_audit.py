@@ -214,7 +214,7 @@ def test_report_is_json_serialisable(reports):
     f = d["findings"][0]
     assert f["op"] == "log" and f["fix"]["verified"] is True
     assert f["fix"]["name"] == "gradkit.stable.logsumexp" and f["fix"]["checked_with"] == ""  # re-run as itself
-    assert f["fix"]["expression"] == "gk.stable.logsumexp(masked, axis=1)" and f["fix"]["value_same"] is True
+    assert f["fix"]["expression"] == "gk.stable.logsumexp(masked, axis=-1)" and f["fix"]["value_same"] is True
     assert d["gradients"] == [{"input": "scores", "nonfinite": 6, "size": 24}]
 
 

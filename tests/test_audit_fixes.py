@@ -212,7 +212,7 @@ def _cases():
         Case(masked_sqrt, (xs, mask), {"gk.stable.safe_sqrt(x)": lambda x, m: jnp.sum(m * st.safe_sqrt(x))},
              argnums=0),
         Case(angle_between, (cosine,), {"gk.stable.safe_arccos(cosine)": lambda c: jnp.sum(st.safe_arccos(c))}),
-        Case(pair_distance_pow, (a, b), {"gk.stable.safe_norm(x - y, axis=1)": lambda x, y: jnp.sum(
+        Case(pair_distance_pow, (a, b), {"gk.stable.safe_norm(x - y, axis=-1)": lambda x, y: jnp.sum(
             st.safe_norm(x - y, axis=1))}),
         Case(naive_softplus, (logits,), {"gk.stable.log1pexp(x)": lambda x: jnp.mean(st.log1pexp(x))}),
         Case(naive_sigmoid, (neg,), {"gk.stable.sigmoid(x)": lambda x: jnp.sum(st.sigmoid(x))}),
@@ -227,12 +227,12 @@ def _cases():
             "gk.stable.safe_log(y / q)": lambda q, y: jnp.sum(jnp.where(y > 0, y * st.safe_log(y / q), 0.0))},
              argnums=0),
         Case(masked_logsumexp, (s, m), {
-            "gk.stable.logsumexp(s + jnp.where(mask, 0.0, -jnp.inf), axis=1)": lse_fixed}),
+            "gk.stable.logsumexp(s + jnp.where(mask, 0.0, -jnp.inf), axis=-1)": lse_fixed}),
         Case(naive_logsumexp, (lse_x,), {"gk.stable.logsumexp(x, axis=0)": lambda x: st.logsumexp(x, axis=0)}),
-        Case(norm_of_zero_row, (rows,), {"gk.stable.safe_norm(x, axis=1)": lambda x: jnp.sum(
+        Case(norm_of_zero_row, (rows,), {"gk.stable.safe_norm(x, axis=-1)": lambda x: jnp.sum(
             st.safe_norm(x, axis=1))}),
         Case(sqrt_sum_squares, (rows,), {
-            "gk.stable.safe_norm(x, axis=1)": lambda x: jnp.sum(st.safe_norm(x, axis=1)),
+            "gk.stable.safe_norm(x, axis=-1)": lambda x: jnp.sum(st.safe_norm(x, axis=1)),
             "gk.stable.safe_sqrt(jnp.sum(x**2, axis=-1))": lambda x: jnp.sum(st.safe_sqrt(jnp.sum(x**2, axis=-1)))}),
         Case(angle_of_zero_vector, (xy,), {"gk.stable.safe_arctan2(xy[:, 1], xy[:, 0])": lambda v: jnp.sum(
             st.safe_arctan2(v[:, 1], v[:, 0]))}),

@@ -195,7 +195,7 @@ def test_a_real_loss_of_complex_inputs_is_audited():
     assert r.inputs == ("z: c64[3]",)
     assert r.gradients == (("z", 1, 3),)
     assert r.findings[0].op == "sqrt" and the_line(r.findings[0]) == (HERE, line_of("# COMPLEX-SQRT"))
-    assert str(r.findings[0].root.elements[0]) == "[1]: x = 0"
+    assert str(r.findings[0].root.elements[0]) == "(jnp.real(z * jnp.conj(z)))[1] = 0"
 
 
 def test_complex_and_real_inputs_together_match_jax_grad():

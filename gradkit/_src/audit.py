@@ -29,7 +29,7 @@ import numpy as np
 
 from gradkit._src import compat, walk
 from gradkit._src.activity import call_body
-from gradkit._src.audit_explain import loc, nonfinite_indices, select, step
+from gradkit._src.audit_explain import fix_file, in_user_terms, loc, nonfinite_indices, select, step
 from gradkit._src.audit_fixes import choose_fix, suggest
 from gradkit._src.audit_program import Program, describe_input, gradient, make_program
 from gradkit._src.audit_report import AuditReport, Coverage, Finding, Fix, Probe, Step
@@ -204,6 +204,9 @@ def investigate(prog: Program, fn: Any, table: Any, do_fix: bool) -> tuple[tuple
         chain = chain[:_CHAIN]
         steps = tuple(step(s, names) for s in chain)
         best, alts = choose_fix(suggest(chain[0], chain, closed), prog, fn, table, closed, do_fix)
+        files = [s.file for s in steps]
+        best, alts = ((in_user_terms(best, fix_file(best.location, files)) if best is not None else None),
+                      tuple(in_user_terms(a, fix_file(a.location, files)) for a in alts))
         root = chain[0].birth
         findings.append(Finding(root.name, loc(root.eqn, root.ctx), steps[0].where, steps[0].message, steps,
                                 best, alts))

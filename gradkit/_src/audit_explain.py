@@ -11,8 +11,10 @@ the values there ("``exp`` overflowed to inf for 3 of 128 elements (max input
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import linecache
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -184,16 +186,59 @@ _ARG_NAMES = {"atan2": ("y", "x"), "div": ("x", "y"), "pow": ("x", "y"), "mul": 
               "add": ("x", "y"), "select_n": ("which", "a", "b")}
 
 
+# NumPy-style functions whose operands are the primitive's operands, one for one (``jnp.sqrt(d2)``)
+_THIN = frozenset({"", "sqrt", "log", "log1p", "log2", "log10", "exp", "exp2", "expm1", "power", "divide",
+                   "true_divide", "multiply", "add", "subtract", "arctan2", "arccos", "arcsin", "arctanh",
+                   "arccosh", "reciprocal", "square", "tan", "cbrt", "rsqrt"})
+
+
 def _input_name(b: Birth, k: int, input_names: dict[Any, str]) -> str | None:
     """The audited input's name when operand ``k`` of ``b``'s equation is that input."""
     atom = b.eqn.invars[k]
     return None if compat.is_literal(atom) else input_names.get(atom)
 
 
-def _arg_name(b: Birth, k: int, input_names: dict[Any, str]) -> str:
+def source_operands(eqn: compat.JaxprEqn) -> list[str] | None:
+    """The user's text for each operand of ``eqn`` where the source line's call passes them one for one.
+
+    ``jnp.sqrt(d2)`` -> ``["d2"]``, ``w * x`` -> ``["w", "x"]``; ``None`` when
+    the equation sits inside a library function (``sqrt`` in ``jnp.linalg.norm``
+    takes no operand the line wrote) or the text is not known.
+    """
+    if callee(eqn) not in _THIN:
+        return None
+    span = compat.source_span(eqn)
+    if span is None:
+        return None
+    file, line, _, c0, c1 = span
+    text = linecache.getline(file, line).rstrip("\n")
+    if not 0 <= c0 < c1 <= len(text):
+        return None
+    code = text[c0:c1]
+    try:
+        node = ast.parse(code, mode="eval").body
+    except SyntaxError:
+        return None
+    if isinstance(node, ast.Call) and not node.keywords and not any(isinstance(a, ast.Starred) for a in node.args):
+        args: list[ast.expr] = list(node.args)
+    elif isinstance(node, ast.BinOp):
+        args = [node.left, node.right]
+    elif isinstance(node, ast.UnaryOp):
+        args = [node.operand]
+    else:
+        return None
+    if len(args) != len(eqn.invars):
+        return None
+    out = [ast.get_source_segment(code, a) or "" for a in args]
+    return out if all(out) else None
+
+
+def _arg_name(b: Birth, k: int, input_names: dict[Any, str], texts: Sequence[str] | None = None) -> str:
     name = _input_name(b, k, input_names)
     if name is not None:
         return name
+    if texts is not None and not compat.is_literal(b.eqn.invars[k]):
+        return texts[k]
     if len(b.eqn.invars) == 1:
         return "x"
     names = _ARG_NAMES.get(b.eqn.primitive.name, ("x", "y", "z"))
@@ -206,6 +251,8 @@ def _elements(sel: Selection, input_names: dict[Any, str]) -> tuple[Element, ...
         return ()
     out: list[Element] = []
     it = occ.iteration
+    texts = source_operands(b.eqn) if is_elementwise(b.eqn) else None
+    result = "result" if texts is None or callee(b.eqn) else f"result of `{b.name}`"
     for pos, mask in sorted(sel.masks.items()):
         shape = mask.shape
         operands: Sequence[int] = range(len(occ.invals)) if (b.phase == "backward" or is_elementwise(b.eqn)) else ()
@@ -217,13 +264,15 @@ def _elements(sel: Selection, input_names: dict[Any, str]) -> tuple[Element, ...
             for k in operands:
                 v = np.asarray(occ.invals[k])
                 if v.shape in (shape, ()) and jnp.issubdtype(v.dtype, jnp.number):
-                    vals.append((_arg_name(b, k, input_names), float(np.real(v if v.shape == () else v[idx]))))
+                    vals.append((_arg_name(b, k, input_names, texts), float(np.real(v if v.shape == () else v[idx]))))
                     ks.append(k)
-            if not vals:  # no operand lines up with the result: show the result
-                vals.append(("result", float(np.real(np.asarray(occ.outvals[pos]).reshape(-1)[int(e)]))))
-            on_input = len(ks) == 1 and _input_name(b, ks[0], input_names) is not None
-            el = Element(idx, tuple(vals), it, on_input)
-            if el not in out:  # a backward birth in both operands' cotangents: one element, listed once
+            if not vals:  # no operand lines up with the result: the result of the op, named as such
+                vals.append((f"result of `{b.name}`" if result == "result" else result,
+                             float(np.real(np.asarray(occ.outvals[pos]).reshape(-1)[int(e)]))))
+            named = len(ks) == 1 and np.shape(occ.invals[ks[0]]) == shape and (
+                _input_name(b, ks[0], input_names) is not None or texts is not None)
+            el = Element(idx, tuple(vals), it, named)
+            if all(str(el) != str(o) for o in out):  # in both operands' cotangents, or another iteration: once
                 out.append(el)
     return tuple(out)
 
@@ -400,3 +449,119 @@ def nonfinite_indices(g: Any, limit: int = 16) -> tuple[tuple[int, ...], ...]:
     if m is None:
         return ()
     return tuple(tuple(int(i) for i in np.unravel_index(int(e), m.shape)) for e in np.flatnonzero(m)[:limit])
+
+
+# --------------------------------------------------------------------------- a fix in the user's own terms
+
+
+_DEFS_BACK = 40  # source lines searched upwards for the assignment of a name the replaced text uses
+
+
+def _strip_parens(arg: str) -> str:
+    """``(a - b)`` -> ``a - b`` when the parentheses wrap the whole argument."""
+    while arg.startswith("(") and arg.endswith(")"):
+        try:
+            inner = ast.parse(arg[1:-1], mode="eval").body
+        except SyntaxError:
+            return arg
+        if isinstance(inner, ast.Tuple):
+            return arg
+        arg = arg[1:-1].strip()
+    return arg
+
+
+def _axis_kwargs(code: str) -> list[str]:
+    """The text of every ``axis=`` argument of the calls in ``code``."""
+    try:
+        tree = ast.parse(code.strip(), mode="exec")
+    except SyntaxError:
+        return []
+    return [ast.get_source_segment(code.strip(), kw.value) or "" for node in ast.walk(tree)
+            if isinstance(node, ast.Call) for kw in node.keywords if kw.arg == "axis"]
+
+
+def _definitions(file: str, line: int, names: Sequence[str]) -> dict[str, tuple[int, str]]:
+    """For each name, the nearest assignment ``name = <text>`` above ``line`` in the same function."""
+    found: dict[str, tuple[int, str]] = {}
+    for n in range(line - 1, max(0, line - _DEFS_BACK), -1):
+        text = linecache.getline(file, n)
+        if re.match(r"\s*(async\s+)?def\s", text):
+            break
+        for name in names:
+            m = re.match(rf"\s*{re.escape(name)}\s*=(?!=)\s*(.+?)\s*$", text)
+            if m and name not in found:
+                found[name] = (n, re.sub(r"\s*#[^'\"]*$", "", m.group(1)))
+    return found
+
+
+def fix_file(location: str, files: Iterable[str]) -> str:
+    """The full path of a fix's ``file.py:12`` location: one of ``files`` (the finding's), else as written."""
+    path = location.rpartition(":")[0]
+    return next((f for f in files if f and short_path(f) == path), path)
+
+
+def in_user_terms(fix: Any, file: str) -> Any:
+    """A code fix's call and advice as the user would write them, and the line as it reads rewritten.
+
+    The call keeps the source's own spelling of the reduction axis
+    (``axis=-1`` where the source says so, not the traced ``axis=2``), from
+    the replaced text or from the line that defines a name it uses (``d2 =
+    jnp.sum(diff ** 2, axis=-1)`` for ``jnp.sqrt(d2)``), which the advice then
+    quotes; ``fix.rewritten`` is the source line with the call in place.
+    """
+    from gradkit._src.audit_report import Fix
+
+    if not isinstance(fix, Fix) or fix.kind != "code" or not fix.expression or not fix.replaces or not file:
+        return fix
+    if ";" in fix.location or not fix.location.rpartition(":")[2].isdigit():
+        return fix
+    line = int(fix.location.rpartition(":")[2])
+    source = linecache.getline(file, line).rstrip("\n")
+    if fix.replaces not in source:
+        return fix
+    expr = fix.expression
+    m = re.fullmatch(r"(gk\.stable\.\w+)\((.*)\)", expr, re.S)
+    if m is None:
+        return fix
+    try:
+        call = ast.parse(expr, mode="eval").body
+    except SyntaxError:
+        return fix
+    if not isinstance(call, ast.Call):
+        return fix
+    args = [_strip_parens(ast.get_source_segment(expr, a) or "") for a in call.args]
+    kwargs = {kw.arg: ast.get_source_segment(expr, kw.value) or "" for kw in call.keywords if kw.arg}
+    names = sorted({n.id for n in ast.walk(ast.parse(fix.replaces.strip(), mode="eval"))
+                    if isinstance(n, ast.Name)}) if _parses(fix.replaces) else []
+    defs = _definitions(file, line, [n for n in names if n not in " ".join(args)])
+    if "axis" in kwargs:
+        spelled = _axis_kwargs(fix.replaces) or [a for _, d in defs.values() for a in _axis_kwargs(d)]
+        if len(set(spelled)) == 1 and _same_axis(spelled[0], kwargs["axis"]):
+            kwargs["axis"] = spelled[0]
+    new = m.group(1) + "(" + ", ".join(args + [f"{k}={v}" for k, v in kwargs.items()]) + ")"
+    rewritten = source.replace(fix.replaces, new, 1).rstrip()
+    advice = fix.advice.replace(f"`{expr}`", f"`{new}`")
+    unused = [f"`{n} = {d}` (line {k})" for n, (k, d) in defs.items() if n not in new]
+    if unused:
+        advice = advice.rstrip(".") + f"; {' and '.join(unused)} is then unused."
+    return dataclasses.replace(fix, expression=new, advice=advice, rewritten=rewritten)
+
+
+def _parses(code: str) -> bool:
+    try:
+        ast.parse(code.strip(), mode="eval")
+    except SyntaxError:
+        return False
+    return True
+
+
+def _same_axis(user: str, traced: str) -> bool:
+    """The user's axis spelling can stand for the traced one: equal, or negative (counted from the end)."""
+    try:
+        u, t = ast.literal_eval(user), ast.literal_eval(traced)
+    except (ValueError, SyntaxError):
+        return False
+    us, ts = (u if isinstance(u, tuple) else (u,)), (t if isinstance(t, tuple) else (t,))
+    if len(us) != len(ts) or not all(isinstance(a, int) for a in us + ts):
+        return False
+    return all(a == b or a < 0 for a, b in zip(us, ts))

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from gradkit._src.describe import fmt, fmt_index, short_path
+from gradkit._src.describe import fmt, fmt_index, group_leaves, name_path, short_path
 
 __all__ = ["AuditReport", "Coverage", "Element", "Finding", "Fix", "Probe", "Step", "render"]
 
@@ -38,7 +38,9 @@ class Element:
       values: ``(name, value)`` pairs: the op's operands there (``x``; ``y``, ``x``),
         named after the audited input when the operand is one.
       iteration: the loop iteration, inside a scan or while loop.
-      on_input: the single operand is an audited input (``x[2] = 0``, not ``[2]: x = 0``).
+      on_input: the single operand is a value of the user's, indexed as the element is: an audited
+        input or the expression the source line passes (``x[2] = 0``, ``d2[0,0] = 0``, ``(w * x)[1] = 0``;
+        not ``[2]: x = 0``).
     """
 
     index: tuple[int, ...]
@@ -50,16 +52,24 @@ class Element:
         idx = fmt_index(self.index)
         if len(self.values) == 1:
             name, v = self.values[0]
+            if self.on_input and idx:
+                return f"{name if _simple(name) else f'({name})'}{idx} = {fmt(v)}"
             return f"{name}{idx} = {fmt(v)}" if self.on_input or not idx else f"{idx}: {name} = {fmt(v)}"
         names = ", ".join(n for n, _ in self.values)
         vals = ", ".join(fmt(v) for _, v in self.values)
         return f"{idx}: ({names}) = ({vals})" if idx else f"({names}) = ({vals})"
 
 
+def _simple(name: str) -> bool:
+    """A name that can be indexed as written: ``x``, ``d2``, ``params['w']``, ``args[0].b``."""
+    return re.fullmatch(r"[A-Za-z_][\w.]*(\[[^\[\]]*\]|\.\w+)*", name) is not None
+
+
 def elements_text(elements: tuple[Element, ...], count: int) -> str:
-    """``x[2] = 0, x[4] = -1 (and 3 more)``."""
-    shown = ", ".join(str(e) for e in elements[:_SHOWN])
-    more = count - min(len(elements), _SHOWN)
+    """``x[2] = 0, x[4] = -1 (and 3 more)``: each element once (loop iterations of one element are one)."""
+    texts = list(dict.fromkeys(str(e) for e in elements))
+    shown = ", ".join(texts[:_SHOWN])
+    more = max(count, len(texts)) - min(len(texts), _SHOWN)
     return shown + (f" (and {more} more)" if more > 0 else "")
 
 
@@ -116,6 +126,7 @@ class Fix:
         value); ``value_note`` says how it compares (``None``/"" when not re-run).
       with_table: a code fix that needs a rule table too (two NaNs born apart): apply
         ``gk.override(fn, <with_table>)`` to the rewritten function.
+      rewritten: a code fix's source line (at ``location``) as it reads with the fix applied.
     """
 
     kind: str
@@ -136,6 +147,7 @@ class Fix:
     value_same: bool | None = None
     value_note: str = ""
     with_table: str = ""
+    rewritten: str = ""
 
     @property
     def verified(self) -> bool:
@@ -149,12 +161,16 @@ class Fix:
         return " and ".join(parts)
 
     def verdict(self) -> str:
+        """What was re-run and what it gave; a fix that was not re-run says so, and claims nothing."""
         if self.kind == "none":
             return self.note or "no route verified"
         if not self.applied:
-            return f"not re-run: {self.note}" if self.note else "not re-run"
+            if self.note.startswith("re-run failed"):
+                return f"{self.note}: not verified"
+            why = f" ({self.note})" if self.note else " (audit ran with fix=False)"
+            return f"not re-run, so not verified{why}"
         if self.checked_with:
-            return (f"(with the equivalent {gk_name(self.checked_with)}) "
+            return (f"re-ran the equivalent {gk_name(self.checked_with)} instead: "
                     + dataclasses.replace(self, checked_with="").verdict())
         value = f"; {self.value_note}" if self.value_note else ""
         if not self.finite:
@@ -259,6 +275,11 @@ class AuditReport:
     def __str__(self) -> str:
         return render(self)
 
+    def text(self, verbose: bool = False) -> str:
+        """The human report; ``verbose=True`` lists every input leaf and non-finite element (``str()`` groups
+        many leaves by module path)."""
+        return render(self, verbose)
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["finite"] = self.finite
@@ -313,51 +334,119 @@ def _indices(name: str, idx: tuple[tuple[int, ...], ...], count: int) -> str:
     return ": " + shown + (", ..." if count > min(len(idx), _SHOWN) else "")
 
 
-def render(r: AuditReport) -> str:
-    """The human-readable report (what ``print(report)`` and ``gradkit audit`` show)."""
+_GROUP_FROM = 4  # more leaves than this in an argument (header) or in the gradient line: grouped by module path
+
+
+def _parse_input(text: str) -> tuple[str, str, int]:
+    """``"p['w']: f32[3,4]"`` -> ``("p['w']", "f32", 12)``."""
+    name, _, desc = text.rpartition(": ")
+    m = re.fullmatch(r"(.*)\[([\d,]*)\]", desc)
+    if not name or m is None:
+        return text, "", 0
+    return name, m.group(1), math.prod(int(d) for d in m.group(2).split(",") if d)
+
+
+def _signature(r: AuditReport, verbose: bool) -> str:
+    """``loss(params: 102 arrays (f32, 1032 elements), x: f32[3,4])``: an argument of many leaves summarised."""
+    if verbose:
+        return f"{r.function}({', '.join(r.inputs)})"
+    parsed = [_parse_input(t) for t in r.inputs]
+    by_arg: dict[str, list[int]] = {}
+    for i, (name, _, _) in enumerate(parsed):
+        by_arg.setdefault(name_path(name)[0], []).append(i)
+    parts = []
+    for arg, ix in by_arg.items():
+        if len(ix) <= _GROUP_FROM:
+            parts += [r.inputs[i] for i in ix]
+            continue
+        dtypes = ", ".join(dict.fromkeys(parsed[i][1] for i in ix))
+        parts.append(f"{arg}: {len(ix)} arrays ({dtypes}, {sum(parsed[i][2] for i in ix)} elements)")
+    return f"{r.function}({', '.join(parts)})"
+
+
+def _gradient_line(r: AuditReport, verbose: bool) -> str:
+    """Where the gradient is non-finite: per input, or per module path when there are many inputs."""
+    at = dict(r.nonfinite_at)
+    bad = [(n, b, s) for n, b, s in r.gradients if b]
+    if verbose or len(bad) <= _GROUP_FROM:
+        return ", ".join(f"{n} ({b} of {s}{_indices(n, at.get(n, ()), b)})" for n, b, s in bad)
+    groups = group_leaves([n for n, _, _ in bad])
+    shown = []
+    for label, ix in groups[:_SHOWN]:
+        if len(ix) == 1:
+            n, b, s = bad[ix[0]]
+            shown.append(f"{n} ({b} of {s}{_indices(n, at.get(n, ()), b)})")
+        else:
+            shown.append(f"{label} ({len(ix)} arrays, {sum(bad[i][1] for i in ix)} of "
+                         f"{sum(bad[i][2] for i in ix)} elements)")
+    more = f" (and {len(groups) - _SHOWN} more groups)" if len(groups) > _SHOWN else ""
+    total = sum(b for _, b, _ in bad)
+    size = sum(s for _, _, s in r.gradients)
+    return (f"{total} of {size} elements, in {len(bad)} of {len(r.gradients)} arrays: "
+            + "; ".join(shown) + more)
+
+
+def _finding_lines(k: int, f: Finding, many: bool, verbose: bool) -> list[str]:
+    """A finding, in the order a reader acts on it: where it is born, the op, the line, the fix and its re-run;
+    then the elements, what followed, and the other routes."""
+    ind = " " * 9
+    lines = []
+    tag = f"finding {k + 1}" if many else "born at"
+    root = f.root
+    via = f" in `{root.via}`" if root.via else ""
+    phase = f"{root.phase} pass" + (" of the table's rule" if root.rule else "")
+    lines.append(f"{ind}{tag:<9} {root.location}  `{root.op}`{via} ({phase})"
+                 + (f", {root.where}" if root.where else ""))
+    lines.append(f"{ind}          {root.message}")
+    if root.code:
+        lines += [f"{ind}          {ln}" for ln in root.code.splitlines()]
+    if f.fix is not None:
+        lines.append(f"{ind}fix       {f.fix.advice}")
+        if f.fix.rewritten:
+            number = f.fix.location.rpartition(":")[2]
+            lines.append(f"{ind}          {number:>5} | {f.fix.rewritten}")
+        lines.append(f"{ind}re-run    {f.fix.verdict()}")
+    if root.elements:
+        lines.append(f"{ind}elements  {elements_text(root.elements, root.count)}")
+    for s in f.chain[1:]:
+        where = f", {s.where}" if s.where and s.where != root.where else ""
+        lines.append(f"{ind}then      {s.location}  {s.message}{where}")
+        if s.elements:
+            lines.append(f"{ind}          at {elements_text(s.elements, s.count)}")
+    for a in f.alternatives:
+        if f.fix is not None and f.fix.kind == "none" and a.applied:
+            lines.append(f"{ind}tried     {a.expression or gk_name(a.name)}: {a.verdict()}")
+        elif a.verified:
+            lines.append(f"{ind}also      {a.expression or gk_name(a.name)} (re-run: finite, matches finite "
+                         "differences, same value)")
+        elif a.kind == "code" and not a.applied:
+            advice = a.advice[0].lower() + a.advice[1:] if a.advice.startswith("Or") else a.advice
+            lines.append(f"{ind}also      {'' if advice.startswith('or ') else 'or '}{advice} (not re-run)")
+    return lines
+
+
+def render(r: AuditReport, verbose: bool = False) -> str:
+    """The human-readable report (what ``print(report)`` and ``gradkit audit`` show).
+
+    Each finding comes first — where the NaN/inf is born, the op, the user's
+    line, the fix and its re-run — then the value and which gradient elements
+    are non-finite. Many inputs (a model's parameters) are grouped by module
+    path with counts (``params/Dense_0/* (2 arrays, 20 of 20 elements)``);
+    ``verbose=True`` lists every input and element, as ``to_dict()`` does.
+    """
     value_bad = r.value.startswith("NON-FINITE")
     status = ("FINDING" if not r.finite else "SWEEP FINDING" if not r.ok else "VALUE" if value_bad else "ok")
-    head = f"{r.function}({', '.join(r.inputs)})"
-    lines = [f"{status:<8} {head}" + (f"   [{r.source}]" if r.source else "")]
+    lines = [f"{status:<8} {_signature(r, verbose)}" + (f"   [{r.source}]" if r.source else "")]
     ind = " " * 9
+    for k, f in enumerate(r.findings):
+        lines += _finding_lines(k, f, len(r.findings) > 1, verbose)
     lines.append(f"{ind}value     {r.value}")
     if r.finite:
         lines.append(f"{ind}gradient  finite for every input"
                      + ("; the value is not: check the loss itself (its inputs, a log of 0, an overflow)"
                         if value_bad else ""))
     else:
-        at = dict(r.nonfinite_at)
-        bad = [f"{n} ({b} of {s}{_indices(n, at.get(n, ()), b)})" for n, b, s in r.gradients if b]
-        lines.append(f"{ind}gradient  non-finite in {', '.join(bad)}")
-    for k, f in enumerate(r.findings):
-        tag = f"finding {k + 1}" if len(r.findings) > 1 else "born at"
-        root = f.root
-        via = f" in `{root.via}`" if root.via else ""
-        phase = f"{root.phase} pass" + (" of the table's rule" if root.rule else "")
-        lines.append(f"{ind}{tag:<9} {root.location}  `{root.op}`{via} ({phase})"
-                     + (f", {root.where}" if root.where else ""))
-        lines.append(f"{ind}          {root.message}")
-        if root.elements:
-            lines.append(f"{ind}elements  {elements_text(root.elements, root.count)}")
-        if root.code:
-            lines += [f"{ind}          {ln}" for ln in root.code.splitlines()]
-        for s in f.chain[1:]:
-            where = f", {s.where}" if s.where and s.where != root.where else ""
-            lines.append(f"{ind}then      {s.location}  {s.message}{where}")
-            if s.elements:
-                lines.append(f"{ind}          at {elements_text(s.elements, s.count)}")
-        if f.fix is not None:
-            lines.append(f"{ind}fix       {f.fix.advice}")
-            lines.append(f"{ind}re-run    {f.fix.verdict()}")
-        for a in f.alternatives:
-            if f.fix is not None and f.fix.kind == "none" and a.applied:
-                lines.append(f"{ind}tried     {a.expression or gk_name(a.name)}: {a.verdict()}")
-            elif a.verified:
-                lines.append(f"{ind}also      {a.expression or gk_name(a.name)} (re-run: finite, matches finite "
-                             "differences, same value)")
-            elif a.kind == "code" and not a.applied:
-                advice = a.advice[0].lower() + a.advice[1:] if a.advice.startswith("Or") else a.advice
-                lines.append(f"{ind}also      {'' if advice.startswith('or ') else 'or '}{advice}")
+        lines.append(f"{ind}gradient  non-finite in {_gradient_line(r, verbose)}")
     if r.note:
         lines.append(f"{ind}note      {r.note}")
     if r.coverage is not None:

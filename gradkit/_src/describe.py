@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import math
 import os
+import re
 from collections.abc import Sequence
 from typing import Any, SupportsInt
 
@@ -161,3 +162,57 @@ def count_nonfinite(x: Any, kind: str = "any") -> int:
     """How many elements of ``x`` are non-finite (see :func:`nonfinite_mask`); 0 for non-float values."""
     m = nonfinite_mask(x, kind)
     return 0 if m is None else int(m.sum())
+
+
+# --------------------------------------------------------------------------- many leaves
+
+_KEY = re.compile(r"\['((?:[^'\\]|\\.)*)'\]|\[\"((?:[^\"\\]|\\.)*)\"\]|\[(-?\d+)\]|\.(\w+)|\[<flat index (\d+)>\]")
+
+
+def name_path(name: str) -> tuple[str, ...]:
+    """A leaf name's parts: ``params['params']['Dense_0']['bias']`` -> ``('params', 'params', 'Dense_0', 'bias')``.
+
+    The first part is the argument (``x``, ``args[1]``); a name not in the
+    form :func:`leaf_names` writes is one part.
+    """
+    head = re.match(r"args\[\d+\]|[A-Za-z_]\w*", name)
+    if head is None:
+        return (name,)
+    parts, pos = [head.group(0)], head.end()
+    while pos < len(name):
+        m = _KEY.match(name, pos)
+        if m is None:
+            return (name,)
+        parts.append(next(g for g in m.groups() if g is not None))
+        pos = m.end()
+    return tuple(parts)
+
+
+def group_leaves(names: Sequence[str], limit: int = 6) -> list[tuple[str, list[int]]]:
+    """Leaves grouped by module path: ``[("params/params/Dense_0/*", [0, 1]), ("x", [2])]``.
+
+    The path is cut at the deepest depth that leaves at most ``limit``
+    groups (a group of one leaf keeps the leaf's own name); when that is a
+    single group of several leaves, one level deeper (the caller shows the
+    first groups and counts the rest).
+    """
+    paths = [name_path(n) for n in names]
+    deepest = max((len(p) for p in paths), default=1)
+
+    def at(depth: int) -> list[tuple[str, list[int]]]:
+        groups: dict[tuple[str, ...], list[int]] = {}
+        for i, p in enumerate(paths):
+            groups.setdefault(p[:depth], []).append(i)
+        return [(names[ix[0]] if len(ix) == 1 and len(paths[ix[0]]) <= depth else "/".join(key) + "/*", ix)
+                for key, ix in groups.items()]
+
+    best = at(1)
+    for depth in range(2, deepest + 1):
+        g = at(depth)
+        if len(g) > limit:
+            break
+        best = g
+    if len(best) == 1 and len(best[0][1]) > 1 and len(names) > 1:
+        depth = next(d for d in range(1, deepest + 1) if len(at(d)) > 1)
+        best = at(depth)
+    return best
