@@ -132,7 +132,7 @@ def test_raise_mode_jitted_raises_jax_runtime_error_with_the_report(spy):
     assert isinstance(info.value, g.step_errors)
     text = str(info.value)
     assert "[gradkit] guard(log_loss)" in text and "born at" in text and "`log`" in text
-    assert "elements  [1]: x = 0" in text
+    assert "(w * x)[1] = 0" in text
     assert len(spy) == 1 and len(g.reports) == 1
     # and the next good step runs normally
     assert_same(step(jnp.ones(3), jnp.ones(3)), jax.value_and_grad(log_loss)(jnp.ones(3), jnp.ones(3)))
@@ -161,7 +161,7 @@ def test_skip_mode_zeros_the_gradient_and_training_goes_on(maybe_jit):
     (r,) = g.reports
     assert r.audit.findings[0].op == "log" and not r.audit.finite
     # audited at exactly that call's inputs: x[1] == 0
-    assert r.audit.inputs == ("w: f32[3]", "x: f32[3]") and str(r.audit.findings[0].root.elements[0]) == "[1]: x = 0"
+    assert r.audit.inputs == ("w: f32[3]", "x: f32[3]") and str(r.audit.findings[0].root.elements[0]) == "(w * x)[1] = 0"
 
 
 def test_report_mode_returns_values_unchanged(maybe_jit):
@@ -347,7 +347,7 @@ def test_vmap_audits_only_the_bad_elements(spy):
     (r,) = g.reports
     assert r.batch_index == (1,) and r.repeats == 1 and r.audit.findings[0].op == "log"
     assert r.audit.inputs == ("w: f32[3]", "x: f32[3]")  # the element, not the batch
-    assert str(r.audit.findings[0].root.elements[0]) == "[1]: x = 0"  # xs[1] = [1, 0, 2]
+    assert str(r.audit.findings[0].root.elements[0]) == "(w * x)[1] = 0"  # xs[1] = [1, 0, 2]
 
 
 def test_nested_vmap_indices():
@@ -358,7 +358,7 @@ def test_nested_vmap_indices():
     (r,) = g.reports
     assert r.batch_index == (1, 2)
     assert r.audit.inputs == ("w: f32[3]", "x: f32[3]")  # ws[1] and xs[1, 2]
-    assert str(r.audit.findings[0].root.elements[0]) == "[0]: x = 0"
+    assert str(r.audit.findings[0].root.elements[0]) == "(w * x)[0] = 0"
 
 
 # --------------------------------------------------------------------------- data parallel
@@ -416,7 +416,7 @@ def test_inside_shard_map_only_the_bad_shard_reports(spy):
     np.testing.assert_allclose(grad, jnp.sum(good.at[2].set(0.0), axis=0) / 8, rtol=1e-5)  # that shard skipped
     (r,) = g.reports
     assert r.audit.inputs[1] == "x: f32[2,4]" and r.audit.findings[0].op == "sqrt"
-    assert str(r.audit.findings[0].root.elements[0]).startswith("[1]")
+    assert str(r.audit.findings[0].root.elements[0]).startswith("(x @ w)[1]")
 
 
 # --------------------------------------------------------------------------- other inputs
