@@ -364,11 +364,14 @@ def cmd_audit(args: argparse.Namespace) -> int:
         files = sorted({label.rsplit(":", 1)[0] for label, _, _ in targets})
         print(f"gradkit audit: {', '.join(files)}" + (f" (table {table_name})" if table_name else "") + "\n")
         for _, r in reports:
-            print(str(r) + "\n")
+            print(r.text(verbose=args.verbose) + "\n")
         n = len(reports) + len(errors)
         summary = f"{n} function{'s' if n != 1 else ''} audited: {n - findings - len(errors)} ok"
-        if findings:
-            summary += f", {findings} with non-finite gradients"
+        partial = sum(1 for _, r in reports if not r.ok and r.finite and not r.sweep)
+        if findings - partial:
+            summary += f", {findings - partial} with non-finite gradients"
+        if partial:
+            summary += f", {partial} with a partial sweep (inputs not varied)"
         if errors:
             summary += f", {len(errors)} could not be audited (see stderr)"
         print(summary)
@@ -597,7 +600,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "parameter, pytrees allowed (a model's parameters); key is jax.random.key(--seed). "
                         "MAKE alone names a function in FUNC's own file")
     a.add_argument("--json", action="store_true", help="print a JSON report instead of text")
-    a.add_argument("--sweep", action="store_true", help="also probe edge values (0, ±1e-30, ±100, ±1e30, …)")
+    a.add_argument("--sweep", action="store_true",
+                   help="also probe every array input: edge values for floats (0, ±1e-30, ±100, ±1e30, …), mask "
+                        "patterns for bools (all False, a row all False, …), index extremes for integers; at most "
+                        "64 probes, listed per input (an input left unvaried makes the verdict SWEEP PARTIAL)")
+    a.add_argument("-v", "--verbose", action="store_true",
+                   help="list every input leaf and non-finite element (by default many leaves, such as a "
+                        "model's parameters, are grouped by module path)")
     a.add_argument("--table", metavar="NAME|FILE.toml",
                    help="audit with this rule table applied (a gradkit.tables name such as SAFE, or a TOML "
                         "file) and report which rules fired")

@@ -105,3 +105,33 @@ def test_float_edge_values_still_found_and_each_breaks_plain_jax_grad():
     assert "x = 1e30 (all elements)" in broken and "x = 1 (all elements)" not in broken
     assert not bool(jnp.all(jnp.isfinite(jax.grad(f)(jnp.full(3, 1e30)))))
     assert r.finite
+
+
+def test_a_sweep_that_leaves_an_array_unvaried_is_not_an_all_clear():
+    """More leaves than the probe budget: the sweep cannot vary them all, so the verdict is SWEEP PARTIAL."""
+    params = {f"w{i:02d}": jnp.full((2,), 1.0 + i) for i in range(BUDGET + 6)}
+
+    def loss(params):  # finite everywhere the sweep can reach: exp of a bounded value
+        return sum(jnp.sum(jnp.tanh(w)) for w in params.values())
+
+    r = gk.audit(loss, params, sweep=True)
+    assert r.finite and not r.sweep  # nothing broke
+    assert r.unswept and not r.ok  # … but some leaves were never varied
+    assert set(r.unswept) == {i.input for i in r.sweep.inputs if not i.varied}
+    text = r.text()
+    assert text.splitlines()[0].startswith("SWEEP PARTIAL")
+    assert "NOT an all-clear" in text and "not varied" in text
+    assert len(text.splitlines()) < 30  # grouped: not one line per leaf …
+    assert len(r.text(verbose=True).splitlines()) > BUDGET  # … unless asked
+    assert r.to_dict()["sweep_inputs"][0]["input"]
+
+
+def test_a_key_is_listed_as_not_varied_and_does_not_block_ok():
+    def noisy(x, key):
+        return jnp.sum(jnp.tanh(x + jax.random.normal(key, x.shape)))
+
+    r = gk.audit(noisy, jnp.ones(3), jax.random.key(0), sweep=True)
+    assert r.finite and not r.sweep and r.ok and r.unswept == ()
+    rec = {i.input: i for i in r.sweep.inputs}
+    assert rec["key"].kind == "key" and not rec["key"].varied
+    assert "key: not varied: a PRNG key" in str(r)

@@ -139,7 +139,7 @@ def test_in_process_table_sweep_and_demo(capsys, monkeypatch):
     n = len(gradkit.tables.SAFE)
     assert f"rules     4 of {n} rules fired (div x2, integer_pow x1, log x1, mul x1); never matched: acos" in cap.out
     assert "gradient  finite for every input" in cap.out  # SAFE fixes it at the declared inputs…
-    assert "edge-value probes break the gradient" in cap.out  # …but the sweep finds inputs that still break it
+    assert "probes break the gradient" in cap.out  # …but the sweep finds inputs that still break it
     assert "[gradkit] sweep gaussian_nll:" in cap.err  # progress goes to stderr
     assert main(["demo"]) == 0
     out = capsys.readouterr().out
@@ -278,3 +278,23 @@ def test_parse_spec():
                      ("f32[3]:uniform(1)", "uniform takes 2 argument(s)")]:
         with pytest.raises(UsageError, match=re.escape(msg)):
             parse_spec(bad, rng)
+
+
+def test_in_process_verbose_lists_every_leaf(capsys, monkeypatch, tmp_path):
+    path = tmp_path / "many.py"
+    path.write_text(textwrap.dedent("""\
+        import jax.numpy as jnp
+
+        def loss(params):
+            return sum(jnp.sum(jnp.sqrt(w - 1.0)) for w in params.values())  # sqrt'(0) = inf at w = 1
+
+        def make():
+            return ({f"layer{i:02d}": jnp.ones(2) for i in range(40)},)
+        """))
+    monkeypatch.chdir(tmp_path)
+    assert main(["audit", "many.py:loss", "--args-from", "make", "-q"]) == 1
+    short = capsys.readouterr().out
+    assert main(["audit", "many.py:loss", "--args-from", "make", "-q", "--verbose"]) == 1
+    full = capsys.readouterr().out
+    assert "layer39" not in short and "layer39" in full  # grouped by default, every leaf with --verbose
+    assert len(full.splitlines()) > len(short.splitlines())

@@ -12,7 +12,8 @@ and does it match float64 finite differences
 (:mod:`~gradkit._src.audit_fixes`)?
 
 With ``table=``, the audit also says which of the table's rules fired and
-which never matched; with ``sweep=True`` it probes edge-value inputs
+which never matched; with ``sweep=True`` it probes every array input: edge
+values for floats, mask patterns for bools, index extremes for integers
 (:mod:`~gradkit._src.audit_sweep`). The report types and their rendering are
 in :mod:`~gradkit._src.audit_report`.
 """
@@ -83,8 +84,12 @@ def audit(fn: Callable[..., Any], *args: Any, table: Any = None, argnums: int | 
       argnums: which positional arguments to differentiate (default: every
         floating-point or complex one).
       fix: apply each suggested fix and re-check (finite, finite differences).
-      sweep: also probe edge-value inputs (0, ±1e-30, ±1, ±100, ±1e4, ±1e30,
-        everywhere and in one element) and report the ones that break the gradient.
+      sweep: also probe every array input (floats: 0, ±1e-30, ±1, ±100, ±1e4,
+        ±1e30, everywhere and in one element; bool masks: all False/True, a row
+        all False/True, one True per row; integers: 0, the maximum seen, -1, a
+        repeated index, the dtype's extremes; at most 64 probes in all) and
+        report the ones that break the gradient. ``report.ok`` is False while
+        an array input was left unvaried (``report.unswept``).
       progress: ``progress(done, total, label)`` called during the sweep.
 
     Returns:

@@ -222,7 +222,7 @@ class Coverage:
 
 @dataclasses.dataclass(frozen=True)
 class Probe:
-    """One edge-value input tried by ``audit(..., sweep=True)``."""
+    """One probe input (an edge value, a mask pattern, an index extreme) tried by ``audit(..., sweep=True)``."""
 
     input: str
     probe: str
@@ -243,8 +243,9 @@ class AuditReport:
       gradients: per differentiated input: ``(name, non-finite count, size)``.
       findings: one per independent birth place of the non-finite gradient.
       coverage: with ``table=``, which rules fired.
-      sweep: with ``sweep=True``, the probes whose gradient was non-finite.
-      probes: how many edge-value inputs the sweep tried.
+      sweep: with ``sweep=True``, the probes whose gradient was non-finite; its
+        ``inputs`` say per input what was probed, or why it was not varied.
+      probes: how many probe inputs the sweep tried.
       note: anything the audit could not do.
       nonfinite_at: per differentiated input with a non-finite gradient, ``(name,
         indices)``: the first few non-finite elements of its gradient.
@@ -269,8 +270,21 @@ class AuditReport:
 
     @property
     def ok(self) -> bool:
-        """Finite gradient, and no sweep probe broke it."""
-        return self.finite and not self.sweep
+        """Finite gradient, no sweep probe broke it, and a sweep varied every array input it could.
+
+        A sweep that left a float, complex, bool or integer input unvaried (its
+        probe budget ran out, every probe was rejected) is not an all-clear:
+        the report says ``SWEEP PARTIAL`` and names the input. PRNG keys and
+        Python values are never varied; the report says so and they do not
+        count against ``ok``.
+        """
+        return self.finite and not self.sweep and not self.unswept
+
+    @property
+    def unswept(self) -> tuple[str, ...]:
+        """The array inputs a sweep could have varied and did not (empty without a sweep)."""
+        inputs = getattr(self.sweep, "inputs", ())
+        return tuple(i.input for i in inputs if not i.varied and i.kind not in ("key", "static"))
 
     def __str__(self) -> str:
         return render(self)
@@ -284,6 +298,8 @@ class AuditReport:
         d = dataclasses.asdict(self)
         d["finite"] = self.finite
         d["ok"] = self.ok
+        if self.sweep is not None:
+            d["sweep_inputs"] = [dataclasses.asdict(i) for i in getattr(self.sweep, "inputs", ())]
         for f, fd in zip(self.findings, d["findings"]):
             for fix, fixd in zip(([f.fix] if f.fix else []) + list(f.alternatives),
                                  ([fd["fix"]] if f.fix else []) + list(fd["alternatives"])):
@@ -435,7 +451,8 @@ def render(r: AuditReport, verbose: bool = False) -> str:
     ``verbose=True`` lists every input and element, as ``to_dict()`` does.
     """
     value_bad = r.value.startswith("NON-FINITE")
-    status = ("FINDING" if not r.finite else "SWEEP FINDING" if not r.ok else "VALUE" if value_bad else "ok")
+    status = ("FINDING" if not r.finite else "SWEEP FINDING" if r.sweep else "SWEEP PARTIAL" if r.unswept
+              else "VALUE" if value_bad else "ok")
     lines = [f"{status:<8} {_signature(r, verbose)}" + (f"   [{r.source}]" if r.source else "")]
     ind = " " * 9
     for k, f in enumerate(r.findings):
@@ -452,14 +469,38 @@ def render(r: AuditReport, verbose: bool = False) -> str:
     if r.coverage is not None:
         lines.append(f"{ind}rules     {r.coverage}")
     if r.sweep is not None:
-        if not r.sweep:
-            lines.append(f"{ind}sweep     {r.probes} edge-value probes: gradient finite for all")
-        else:
-            lines.append(f"{ind}sweep     {len(r.sweep)} of {r.probes} edge-value probes break the gradient:")
-            for p in r.sweep[:12]:
-                where = f" -> `{p.op}` at {p.location}" if p.op else ""
-                val = "" if p.value_finite else " (value non-finite too)"
-                lines.append(f"{ind}            {p.probe}{val}{where}")
-            if len(r.sweep) > 12:
-                lines.append(f"{ind}            ... and {len(r.sweep) - 12} more")
+        lines += _sweep_lines(r, verbose)
     return "\n".join(_wrap(lines))
+
+
+_SWEEP_INPUTS_SHOWN = 8
+
+
+def _sweep_lines(r: AuditReport, verbose: bool) -> list[str]:
+    """The sweep's verdict, then what it probed per input (all of them with ``verbose``)."""
+    ind = " " * 9
+    lines: list[str] = []
+    if not r.sweep:
+        verdict = "gradient finite for all"
+        if r.unswept:
+            verdict += f"; NOT an all-clear: {len(r.unswept)} input(s) not varied"
+        lines.append(f"{ind}sweep     {r.probes} probes: {verdict}")
+    else:
+        lines.append(f"{ind}sweep     {len(r.sweep)} of {r.probes} probes break the gradient:")
+        for p in r.sweep[:12]:
+            where = f" -> `{p.op}` at {p.location}" if p.op else ""
+            val = "" if p.value_finite else " (value non-finite too)"
+            lines.append(f"{ind}            {p.probe}{val}{where}")
+        if len(r.sweep) > 12:
+            lines.append(f"{ind}            ... and {len(r.sweep) - 12} more")
+    inputs = list(getattr(r.sweep, "inputs", ()))
+    # the inputs not varied first: they are what limits the verdict
+    inputs.sort(key=lambda i: i.varied)
+    shown = inputs if verbose else inputs[:_SWEEP_INPUTS_SHOWN]
+    lines += [f"{ind}  probed  {i.summary()}" for i in shown]
+    if len(shown) < len(inputs):
+        rest = inputs[len(shown):]
+        unvaried = sum(not i.varied for i in rest)
+        lines.append(f"{ind}          ... and {len(rest)} more input(s)"
+                     + (f", {unvaried} of them not varied" if unvaried else "") + " (verbose: all)")
+    return lines
