@@ -38,10 +38,16 @@ def call_jit(f: Callable[..., Any], *args: Any) -> Any:
 BUDGET = 64 << 20  # bytes of perturbed copies of the input that one batched evaluation holds
 
 
+def nbytes(x: Any) -> int:
+    """Bytes of the arrays of the pytree ``x`` (arrays or shapes: ``jax.ShapeDtypeStruct``)."""
+    return sum(int(np.prod(np.shape(v), dtype=np.int64)) * np.dtype(getattr(v, "dtype", np.float64)).itemsize
+               for v in jax.tree_util.tree_leaves(x))
+
+
 def batch_size(x: Any, points: int) -> int:
-    """How many perturbed copies of ``x`` one batch evaluates (at least 1, at most ``points``)."""
-    nbytes = int(np.size(x)) * np.dtype(getattr(x, "dtype", np.float64)).itemsize
-    return int(max(1, min(points, BUDGET // max(nbytes, 1))))
+    """How many perturbed copies of ``x`` (an array or a pytree of them) one batch evaluates (at least 1, at
+    most ``points``)."""
+    return int(max(1, min(points, BUDGET // max(nbytes(x), 1))))
 
 
 def along_coordinate(x: jax.Array, c: Any, s: Any) -> jax.Array:
@@ -54,34 +60,50 @@ def along_direction(x: jax.Array, v: Any, s: Any) -> jax.Array:
     return x + (s * v).astype(x.dtype).reshape(x.shape)
 
 
-def evaluate(h: Callable[..., Any], x: Any, perturb: Callable[[jax.Array, Any, Any], jax.Array],
-             dirs: np.ndarray, rows: np.ndarray, scales: np.ndarray, args: Sequence[Any] = ()) -> np.ndarray:
+def evaluate(h: Callable[..., Any], x: Any, perturb: Callable[[Any, Any, Any], Any],
+             dirs: Any, rows: np.ndarray, scales: np.ndarray, args: Sequence[Any] = (),
+             batch: int | None = None, cache: dict[Any, Any] | None = None) -> np.ndarray:
     """``ravel(h(perturb(x, dirs[rows[k]], scales[k]), *args))`` for every ``k``: ``(len(scales), size of h(x))``.
 
-    In batches of :func:`batch_size` points, each one jitted ``vmap`` (the last
-    padded to the same size: one compilation); ``x`` and ``args`` are passed
-    in, not closed over, so no copy of them becomes a constant of the
-    compiled program. A function that does not ``vmap`` is called once per
-    point, jitted where it allows.
+    ``x`` is an array or a pytree of arrays (then ``perturb`` returns what
+    ``h`` takes); ``dirs`` anything indexed by an array of rows, giving an
+    array or a pytree of arrays with a leading axis (built a batch at a time
+    by an object that does so). In batches of :func:`batch_size` points —
+    counting a perturbed point's bytes (what ``perturb`` returns) and its
+    row of ``dirs`` — or of ``batch`` points, each one jitted ``vmap`` (the
+    last padded to the same size: one compilation, kept in ``cache`` for the
+    next call with the same ``h``, ``perturb`` and batch shapes); ``x`` and
+    ``args`` are passed in, not closed over, so no copy of them becomes a
+    constant of the compiled program. A function that does not ``vmap`` is
+    called once per point, jitted where it allows.
     """
-    x = jnp.asarray(x)
+    x = jax.tree_util.tree_map(jnp.asarray, x)
     m = len(scales)
     flat = lambda v, d, s, *a: jnp.ravel(h(perturb(v, d, s), *a))
     if m == 0:
         return np.zeros((0, int(np.prod(jax.eval_shape(lambda: h(x, *args)).shape, dtype=int))))
-    c = batch_size(x, m)
+    at = lambda k: jax.tree_util.tree_map(jnp.asarray, dirs[rows[k]])
+    if batch is None:
+        one = at(np.arange(1))
+        batch = batch_size((jax.eval_shape(perturb, x, jax.tree_util.tree_map(lambda v: v[0], one),
+                                           jnp.asarray(scales[0])), one), m)
+    c = int(batch)
     try:
-        run = jax.jit(jax.vmap(flat, in_axes=(None, 0, 0) + (None,) * len(args)))
+        runs = {} if cache is None else cache
+        key = (h, perturb, len(args))
+        if key not in runs:
+            runs[key] = jax.jit(jax.vmap(flat, in_axes=(None, 0, 0) + (None,) * len(args)))
+        run = runs[key]
         out = []
         for i in range(0, m, c):
             idx = np.arange(i, i + c).clip(max=m - 1)
-            vals = run(x, jnp.asarray(dirs[rows[idx]]), jnp.asarray(scales[idx]), *args)
+            vals = run(x, at(idx), jnp.asarray(scales[idx]), *args)
             out.append(np.asarray(vals, dtype=np.float64)[: min(c, m - i)])
         return np.concatenate(out)
     except Exception:  # a function that does not vmap or jit (a host callback, concrete values): point by point
         pass
-    return np.stack([np.asarray(call_jit(flat, x, jnp.asarray(dirs[rows[k]]), jnp.asarray(scales[k]), *args),
-                                dtype=np.float64) for k in range(m)])
+    return np.stack([np.asarray(call_jit(flat, x, at(k), jnp.asarray(scales[k]), *args), dtype=np.float64)
+                     for k in range(m)])
 
 
 def select_coords(n: int, limit: int, must: Sequence[int] = ()) -> np.ndarray:
