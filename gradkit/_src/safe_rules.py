@@ -276,7 +276,29 @@ def safe_rule(target: str) -> Callable[[OpView, tuple[Any, ...]], Any]:
         out = replay(prog, inputs, ts, op.outputs if own else None)
         return out[0] if len(out) == 1 else tuple(out)
 
+    if target in ("mul", "div"):
+        rule.keeps_jax_derivative = scaled_by_constant  # type: ignore[attr-defined]  # read by the splicer
     return rule
+
+
+def scaled_by_constant(eqn: Any) -> bool:
+    """``x * c``, ``c * x`` or ``x / c`` with ``c`` a finite, nonzero literal: SAFE's rule is JAX's derivative.
+
+    Its one product is ``safe_scale(t, c)``, which masks nothing when ``c`` is
+    finite and nonzero (``t * c``, ``t / c``, bit for bit), and it has no
+    primal quantity to make safe: the splicer leaves such an equation as it
+    is (no ``custom_jvp`` layer, no rule traced, no mask for XLA to compile),
+    and JAX's own rule gives the same derivative at every order.
+    """
+    lits = [compat.is_literal(a) for a in eqn.invars]
+    if eqn.primitive.name == "mul" and sum(lits) == 1:
+        c = eqn.invars[lits.index(True)].val
+    elif eqn.primitive.name == "div" and lits == [False, True]:
+        c = eqn.invars[1].val
+    else:
+        return False
+    c = np.asarray(c)
+    return bool(np.all(np.isfinite(c)) and np.all(c != 0))
 
 
 # --------------------------------------------------------------------------- opt-in: a fully masked row's NaN
