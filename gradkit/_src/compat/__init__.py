@@ -28,7 +28,90 @@ gradkit imports ``gradkit._src.compat`` and nothing from ``jax._src``.
   host callback on (``gk.guard``'s raise mode keeps its own exception off it).
 """
 
-from gradkit._src.compat.callbacks import *  # noqa: F403
-from gradkit._src.compat.jaxprs import *  # noqa: F403
-from gradkit._src.compat.primitive import *  # noqa: F403
-from gradkit._src.compat.source import *  # noqa: F403
+# Explicit: `compat.X` is one of these, and this list says which module holds it.
+from gradkit._src.compat.callbacks import (
+    CALLBACK_LOGGER,
+    kept_callback,
+    kept_callback_p,
+)
+from gradkit._src.compat.jaxprs import (
+    CONCRETIZATION_ERRORS,
+    CUSTOM_VJP_PRIMITIVES,
+    FUNCTION_PREFIX,
+    JAX_VERSION,
+    NAMED_OP_PREFIX,
+    ArrayImpl,
+    Jaxpr,
+    JaxprEqn,
+    Tracer,
+    add_note,
+    aval_of,
+    bind,
+    bind_primitive,
+    body_context,
+    call_equation,
+    cond_layout,
+    detach_consts,
+    eqn_name,
+    eval_jaxpr,
+    eval_open,
+    float0_zeros,
+    is_custom_derivative,
+    is_forward_mode_of_custom_vjp_error,
+    is_forward_mode_tracer,
+    is_jaxpr,
+    is_jit,
+    is_literal,
+    is_opaque,
+    is_shard_map,
+    is_weakly_typed,
+    jaxpr_parts,
+    primitive_by_name,
+    read_atom,
+    register_cache,
+    replace_eqns,
+    rule_registries_snapshot,
+    rule_target,
+    rule_wrapper_name,
+    scan_layout,
+    single_equation,
+    struct_like,
+    struct_of,
+    trace,
+    trace_avals,
+    trace_context,
+    trace_jit,
+    type_key,
+    while_layout,
+)
+from gradkit._src.compat.primitive import (
+    OWN_PRIMITIVES,
+    match_varying,
+    safe_scale,
+    safe_scale_p,
+)
+from gradkit._src.compat.source import (
+    library_callee,
+    register_source_exclusion,
+    source_line,
+    source_of,
+    source_span,
+)
+
+__all__ = [
+    # callbacks
+    "CALLBACK_LOGGER", "kept_callback", "kept_callback_p",
+    # jaxprs
+    "ArrayImpl", "CONCRETIZATION_ERRORS", "CUSTOM_VJP_PRIMITIVES", "FUNCTION_PREFIX", "JAX_VERSION", "Jaxpr",
+    "JaxprEqn", "NAMED_OP_PREFIX", "Tracer", "add_note", "aval_of", "bind", "bind_primitive", "body_context",
+    "call_equation", "cond_layout", "detach_consts", "eqn_name", "eval_jaxpr", "eval_open", "float0_zeros",
+    "is_custom_derivative", "is_forward_mode_of_custom_vjp_error", "is_forward_mode_tracer", "is_jaxpr",
+    "is_jit", "is_literal", "is_opaque", "is_shard_map", "is_weakly_typed", "jaxpr_parts",
+    "primitive_by_name", "read_atom", "register_cache", "replace_eqns", "rule_registries_snapshot",
+    "rule_target", "rule_wrapper_name", "scan_layout", "single_equation", "struct_like", "struct_of", "trace",
+    "trace_avals", "trace_context", "trace_jit", "type_key", "while_layout",
+    # primitive
+    "OWN_PRIMITIVES", "match_varying", "safe_scale", "safe_scale_p",
+    # source
+    "library_callee", "register_source_exclusion", "source_line", "source_of", "source_span",
+]
