@@ -31,10 +31,6 @@ from gradkit._src.user_fn import Call, Kind, as_tangent, is_multi, is_zero, zero
 SymbolicZero = jax.custom_derivatives.SymbolicZero
 
 
-def _struct(x: Any) -> jax.ShapeDtypeStruct:
-    return compat.struct_like(x)
-
-
 def _strip_tracebacks(e: BaseException) -> BaseException:
     """Drops the frames an exception holds (they hold tracers), keeping its message and chain."""
     seen: set[int] = set()
@@ -76,7 +72,7 @@ class Plan:
         """The plan and the tracers to pass after the differentiated leaves."""
         nb = call.n_bound_dyn
         bound = list(all_dyn[:nb])
-        structs = [_struct(x) for x in all_dyn[nb:]]
+        structs = [compat.struct_like(x) for x in all_dyn[nb:]]
         primal, cap_p = cl.JaxprFn.trace(lambda *d: call.run([*bound, *d])[2], structs)
         # Shapes only, no tracer: the plan outlives this trace.
         box: list[tuple[cl.ClosureStatic, list[jax.ShapeDtypeStruct]]] = []

@@ -27,7 +27,6 @@ from typing import Any
 import numpy as np
 
 from gradkit._src import compat
-from gradkit._src.describe import nonfinite_mask
 
 Label = np.ndarray  # int32 set ids, the value's shape; ``None`` stands for all-finite
 
@@ -132,17 +131,6 @@ class Provenance:
         """Every atom in ``labels``."""
         sid = self.union_all(labels)
         return set(self.sets[sid])
-
-
-def restrict(label: Label | None, value: Any) -> Label | None:
-    """``label`` kept only on ``value``'s non-finite elements; ``None`` when none is left."""
-    if label is None:
-        return None
-    bad = nonfinite_mask(value)
-    if bad is None or not bad.any():
-        return None
-    out = np.where(np.broadcast_to(bad, label.shape), label, 0).astype(np.int32)
-    return out if out.any() else None
 
 
 def sources(eqn: compat.JaxprEqn, invals: Sequence[Any]) -> tuple[np.ndarray, list[int], list[int]] | None:
