@@ -353,15 +353,20 @@ def sweep(prog: Program, progress: Callable[[int, int, str], None] | None,
     base_held = [jnp.asarray(leaves[i]) for i in held]
     runner = _Runner(prog, held)
     results: list[tuple[_Plan, bool | None, bool, str]] = []  # (plan, value finite, grad finite, error)
-    for k, p in enumerate(plan):
-        if progress is not None:
-            progress(k, len(plan), p.label)
-        dyn = list(prog.dyn)
-        hv = list(base_held)
+
+    def inputs(p: _Plan) -> tuple[list[Any], list[Any]]:
+        """The dynamic and held inputs with ``p``'s value in its leaf."""
+        dyn, hv = list(prog.dyn), list(base_held)
         if p.leaf in dyn_at:
             dyn[dyn_at[p.leaf]] = jnp.asarray(p.value)
         else:
             hv[held.index(p.leaf)] = jnp.asarray(p.value)
+        return dyn, hv
+
+    for k, p in enumerate(plan):
+        if progress is not None:
+            progress(k, len(plan), p.label)
+        dyn, hv = inputs(p)
         try:
             vf, gf = runner(dyn, hv)
         except Exception as e:  # the function refuses this input (an index out of range it checks): not a finding
@@ -387,14 +392,8 @@ def sweep(prog: Program, progress: Callable[[int, int, str], None] | None,
             continue
         op = where = ""
         if len(probes) < _LOCATED:
-            dyn = list(prog.dyn)
-            hv = list(base_held)
-            if p.leaf in dyn_at:
-                dyn[dyn_at[p.leaf]] = jnp.asarray(p.value)
-            else:
-                hv[held.index(p.leaf)] = jnp.asarray(p.value)
             try:
-                findings = locate(runner.program(dyn, hv))
+                findings = locate(runner.program(*inputs(p)))
             except Exception:  # locating is a courtesy: the probe is reported either way
                 findings = ()
             if findings:
