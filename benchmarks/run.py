@@ -181,6 +181,8 @@ def _torchrow(quick: bool, params: Any, x: Any, y: Any, ours_s: float) -> list[d
     except ImportError:
         return []  # PyTorch not installed: the row is left out
     torch.set_num_threads(max(1, os.cpu_count() or 1))
+    # PyTorch on the device JAX runs on: CUDA when JAX's default backend is a GPU.
+    device = "cuda" if jax.devices()[0].platform == "gpu" and torch.cuda.is_available() else "cpu"
 
     class Log1pExp(torch.autograd.Function):
         @staticmethod
@@ -193,8 +195,9 @@ def _torchrow(quick: bool, params: Any, x: Any, y: Any, ours_s: float) -> list[d
             (x,) = ctx.saved_tensors
             return g * torch.sigmoid(x)
 
-    tp = [{k: torch.tensor(np.asarray(v), requires_grad=True) for k, v in layer.items()} for layer in params]
-    tx, ty = torch.tensor(np.asarray(x)), torch.tensor(np.asarray(y))
+    tp = [{k: torch.tensor(np.asarray(v), device=device, requires_grad=True) for k, v in layer.items()}
+          for layer in params]
+    tx, ty = torch.tensor(np.asarray(x), device=device), torch.tensor(np.asarray(y), device=device)
     opt = torch.optim.SGD([t for layer in tp for t in layer.values()], lr=1e-3, momentum=0.9)
 
     def step():
@@ -206,10 +209,12 @@ def _torchrow(quick: bool, params: Any, x: Any, y: Any, ours_s: float) -> list[d
         loss = torch.mean(Log1pExp.apply(logits) - ty * logits)
         loss.backward()
         opt.step()
+        if device == "cuda":
+            torch.cuda.synchronize()  # the timer waits for the GPU, as block_until_ready does for JAX
         return loss
 
     t = interleaved({"torch": step}, 5 if quick else 31, 3 if quick else 10)
-    return [row(f"  same step, PyTorch {torch.__version__} autograd.Function", "PyTorch (CPU)",
+    return [row(f"  same step, PyTorch {torch.__version__} autograd.Function", f"PyTorch ({device.upper()})",
                  ours_s / t["torch"], None)]
 
 
@@ -303,19 +308,38 @@ ROWS = [row_elementwise, row_mlp, row_scan, row_vmapped, row_stable, row_stable_
         *_extra_rows()]
 
 
+def _workload_name(make: Callable[..., Any]) -> str:
+    module = make.__module__
+    return make.__name__ if module == "__main__" else f"{module}.{make.__name__}"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small sizes and few repeats (CI smoke run)")
     p.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results.json"))
+    p.add_argument("--only", action="append", default=[], metavar="NAME",
+                   help="run only the workloads whose function name contains NAME (repeatable), e.g. "
+                        "--only mlp --only bench_safe; --list shows the names")
+    p.add_argument("--list", action="store_true", help="print the workload names and exit")
     args = p.parse_args(argv)
-    rows: list[dict[str, Any]] = []
-    for make in ROWS:
-        rows.extend(make(args.quick))
+    makers = [(_workload_name(make), make) for make in ROWS]
+    if args.list:
+        print("\n".join(name for name, _ in makers))
+        return 0
+    if args.only:
+        chosen = [(name, make) for o in args.only for name, make in makers if o in name]  # in --only's order
+        makers = [m for i, m in enumerate(chosen) if m not in chosen[:i]]
+        if not makers:
+            p.error(f"--only {args.only} matches no workload; --list shows the names")
     print(f"gradkit benchmarks (jax {jax.__version__}, {jax.devices()[0].platform}, "
           f"{'quick' if args.quick else 'full'}; ratios = gradkit / baseline, same process)")
-    print(f"{'workload':48} {'baseline':18} {'ratio':>8} {'target':>8}  result")
-    for r in rows:
-        print(format_row(r))
+    print(f"{'workload':48} {'baseline':18} {'ratio':>8} {'target':>8}  result", flush=True)
+    rows: list[dict[str, Any]] = []
+    for _, make in makers:
+        made = make(args.quick)
+        rows.extend(made)
+        for r in made:  # as each workload ends, so a run stopped early still shows what it measured
+            print(format_row(r), flush=True)
     with open(args.json, "w") as fh:
         json.dump({"jax": jax.__version__, "platform": jax.devices()[0].platform, "quick": args.quick,
                    "jax_version_tuple": compat.JAX_VERSION, "rows": rows}, fh, indent=1)

@@ -28,14 +28,15 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gradkit as gk
+from meshes import make_mesh, mesh_devices
 
 NIGHTLY = os.environ.get("GRADKIT_NIGHTLY", "") not in ("", "0")
 # No shrinking: a failing sequence is printed as drawn (shrinking retraces for minutes).
 SETTINGS = dict(deadline=None, database=None, derandomize=not NIGHTLY, phases=[Phase.explicit, Phase.generate],
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
-AUTO = jax.make_mesh((2,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:2])
-EXPLICIT = jax.make_mesh((2,), ("x",), axis_types=(AxisType.Explicit,), devices=jax.devices()[2:4])
+AUTO = make_mesh((2,), ("x",), axis_types=(AxisType.Auto,), devices=mesh_devices(4)[:2])
+EXPLICIT = make_mesh((2,), ("x",), axis_types=(AxisType.Explicit,), devices=mesh_devices(4)[2:4])
 
 
 # --------------------------------------------------------------------------- the function under test
@@ -242,7 +243,7 @@ def test_agrees_with_jit_from_threads(kind):
 
 @pytest.mark.parametrize("kind", list(MAKERS))
 def test_shard_map_replicated_and_varying_calls_get_their_own_program(kind):
-    mesh = jax.make_mesh((2,), ("x",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:2])
+    mesh = make_mesh((2,), ("x",), axis_types=(AxisType.Explicit,), devices=mesh_devices(4)[:2])
 
     def make_loss(f):
         def loss(w, x):  # f sees w replicated, then x * w varying over "x": same shape and dtype
@@ -257,7 +258,7 @@ def test_shard_map_replicated_and_varying_calls_get_their_own_program(kind):
 
 
 def test_reported_shard_map_case():
-    mesh = jax.make_mesh((2,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:2])
+    mesh = make_mesh((2,), ("x",), axis_types=(AxisType.Auto,), devices=mesh_devices(4)[:2])
 
     def make(fn):
         def loss(w, x):

@@ -16,6 +16,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import gradkit as gk
+from meshes import make_mesh
 
 pytestmark = pytest.mark.slow  # a long matrix: `pytest -m slow` (CI runs it)
 
@@ -90,13 +91,13 @@ def checkpoint(s, x):
 
 
 def shard_map(s, x):
-    mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
+    mesh = make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
     body = jax.shard_map(lambda z: s(z) * 2.0, mesh=mesh, in_specs=P("d"), out_specs=P("d"))
     return jnp.sum(body(x))
 
 
 def sharded_inputs(s, x):
-    mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
+    mesh = make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
     x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P("d")))
     return jnp.sum(s(x) ** 2)
 
@@ -211,7 +212,7 @@ def test_forward_bit_identical_for_every_program():
 
 
 def test_sharded_input_array_keeps_working():
-    mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
+    mesh = make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
     xs = jax.device_put(X, NamedSharding(mesh, P("d")))
     f, ref = _pair(plain, "vjp")
     got = jax.jit(jax.grad(f))(xs)

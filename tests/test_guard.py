@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gradkit as gk
+from meshes import make_mesh
 from gradkit._src import guard as guard_mod
 
 
@@ -367,7 +368,7 @@ def test_nested_vmap_indices():
 def _mesh():
     from jax.sharding import AxisType
 
-    return jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
+    return make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
 
 
 def sqrt_loss(w, x):

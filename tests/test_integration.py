@@ -13,6 +13,7 @@ import optax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import gradkit as gk
+from meshes import make_mesh
 
 
 @gk.op("log1pexp")
@@ -161,7 +162,7 @@ def _params(seed=0):
 
 
 def test_data_parallel_step_with_named_sharding_matches_single_device():
-    mesh = jax.make_mesh((8,), ("batch",), axis_types=(AxisType.Auto,))
+    mesh = make_mesh((8,), ("batch",), axis_types=(AxisType.Auto,))
     x, y = _data(n=64)
     params = _params()
     loss = gk.override(_mlp_loss(softplus), TABLE)
@@ -186,7 +187,7 @@ def test_data_parallel_step_with_named_sharding_matches_single_device():
 
 
 def test_shard_map_body_with_overridden_op_matches_single_device():
-    mesh = jax.make_mesh((8,), ("batch",), axis_types=(AxisType.Auto,))
+    mesh = make_mesh((8,), ("batch",), axis_types=(AxisType.Auto,))
     x, y = _data(n=64)
     params = _params(1)
     per_device = _mlp_loss(softplus)

@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gradkit as gk
+from meshes import make_mesh
 
 A = jnp.array([[4.0, 1.0, 0.0], [1.0, 3.0, 0.5], [0.0, 0.5, 2.0]], jnp.float32)
 B = jnp.array([1.0, 2.0, 3.0], jnp.float32)
@@ -127,7 +128,7 @@ def test_rule_reaches_into_other_solvers(solver, maybe_jit):
 
 
 def _explicit_mesh():
-    return jax.make_mesh((8,), ("x",))  # Explicit axes: the default
+    return make_mesh((8,), ("x",))  # Explicit axes: the default
 
 
 TRANSFORMS = {

@@ -26,6 +26,7 @@ import pytest
 from jax import lax
 
 import gradkit as gk
+from meshes import make_mesh
 from gradkit import tables
 
 pytestmark = pytest.mark.slow  # a long matrix: `pytest -m slow` (CI runs it)
@@ -214,7 +215,7 @@ def test_guarded_rule_in_every_mode(case, maybe_jit):
 def test_safe_in_every_mode_inside_shard_map():
     from jax.sharding import AxisType, PartitionSpec as P
 
-    mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
+    mesh = make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
 
     def f(x):
         body = jax.shard_map(lambda z: jnp.where(z > 0, jnp.log(z), 0.0) + z ** 2 + jnp.sqrt(z ** 2 + 1.0) / (1 + z ** 2),
