@@ -372,3 +372,34 @@ def test_default_order_is_one_and_a_passing_report_is_one_line_per_order_and_mod
     assert lines[2].startswith("  ok   order 1 rev: 3 input(s) (float32); max rel err ")
     two = check_grads(loss, (params, x), order=2)
     assert {row.order for row in two.rows} == {1, 2} and len(str(two).splitlines()) == 1 + 4 + 2
+
+
+# --------------------------------------------------------------------------- matmul precision
+
+
+def _precision_seen(matmul_precision, **outer):
+    seen = []
+
+    def f(w, x):
+        seen.append(jax.config.jax_default_matmul_precision)
+        return jnp.sum(jnp.tanh(x @ w))
+
+    w, x = jnp.ones((3, 2)) * 0.1, jnp.arange(6.0).reshape(2, 3) / 6
+    with jax.default_matmul_precision(outer.get("ambient", "bfloat16")):
+        report = gk.check_grads(f, (w, x), matmul_precision=matmul_precision)
+    assert report.passed  # on the CPU every precision computes float32 products in full
+    return set(seen)
+
+
+def test_products_are_checked_at_full_float32_by_default():
+    """TF32 (GPU) or bfloat16 passes (TPU), JAX's defaults there, would fail a float32 check with no bug."""
+    assert _precision_seen("float32") == {"float32"}
+
+
+def test_matmul_precision_none_checks_under_the_callers_configuration():
+    assert _precision_seen(None) == {"bfloat16"}
+
+
+def test_matmul_precision_is_validated():
+    with pytest.raises(gk.GradkitError, match=r"check_grads: matmul_precision must be one of .*got 'fp32'"):
+        gk.check_grads(jnp.sin, (jnp.ones(2),), matmul_precision="fp32")

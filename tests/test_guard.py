@@ -127,10 +127,12 @@ def test_raise_mode_jitted_raises_jax_runtime_error_with_the_report(spy):
     g = gk.guard(log_loss)
     step = jax.jit(lambda w, x: g(w, x))
     jax.block_until_ready(step(jnp.ones(3), jnp.ones(3)))
-    # the second call of the step: JAX's C++ dispatch path delivers the callback's exception as a ValueError
-    with pytest.raises(ValueError) as info:
+    # the second call of the step: on the CPU JAX's C++ dispatch path delivers the callback's exception as a
+    # ValueError; on a GPU block_until_ready raises it as a JaxRuntimeError. Both are in step_errors.
+    with pytest.raises(g.step_errors) as info:
         jax.block_until_ready(step(jnp.ones(3), jnp.array([1.0, 0.0, 2.0])))
-    assert isinstance(info.value, g.step_errors)
+    if jax.default_backend() == "cpu":
+        assert isinstance(info.value, ValueError)
     text = str(info.value)
     assert "[gradkit] guard(log_loss)" in text and "born at" in text and "`log`" in text
     assert "(w * x)[1] = 0" in text

@@ -13,7 +13,7 @@ import optax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import gradkit as gk
-from meshes import make_mesh
+from meshes import make_mesh, on_mesh_backend
 
 
 @gk.op("log1pexp")
@@ -176,7 +176,8 @@ def test_data_parallel_step_with_named_sharding_matches_single_device():
 
     xs = jax.device_put(x, NamedSharding(mesh, P("batch")))
     ys = jax.device_put(y, NamedSharding(mesh, P("batch")))
-    p_single, p_multi = params, jax.device_put(params, NamedSharding(mesh, P()))
+    x, y, p_single = on_mesh_backend((x, y, params))  # the reference on the mesh's backend
+    p_multi = jax.device_put(params, NamedSharding(mesh, P()))
     s_single, s_multi = opt.init(p_single), opt.init(p_multi)
     for _ in range(3):
         p_single, s_single, l_single = step(p_single, s_single, x, y)
@@ -198,6 +199,6 @@ def test_shard_map_body_with_overridden_op_matches_single_device():
         return body(params, x, y)
 
     g_sharded = jax.jit(jax.grad(gk.override(sharded_loss, TABLE)))(params, x, y)
-    g_single = jax.jit(jax.grad(_mlp_loss(softplus_hand)))(params, x, y)
+    g_single = jax.jit(jax.grad(_mlp_loss(softplus_hand)))(*on_mesh_backend((params, x, y)))
     _assert_tree_close(g_sharded, g_single)
     assert all(np.isfinite(v).all() for v in jax.tree_util.tree_leaves(g_sharded))

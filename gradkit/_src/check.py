@@ -345,7 +345,8 @@ def _compare_arrays(ad: np.ndarray, fd: np.ndarray, atol: float, rtol: float,
 def check_grads(fn: Callable[..., Any], args: Sequence[Any], order: int = 1,
                 modes: Sequence[str] = ("fwd", "rev"), *, atol: float | None = None,
                 rtol: float | None = None, eps: float | None = None, max_coords: int = 64,
-                raise_on_failure: bool = False, upcast: bool = False) -> GradCheckReport:
+                raise_on_failure: bool = False, upcast: bool = False,
+                matmul_precision: str | None = "float32") -> GradCheckReport:
     """Checks ``fn``'s derivatives, at the dtypes it runs at, against float64 finite differences.
 
     Each input, order (1 by default) and mode gets element-wise numbers: ``jacfwd``/``jacrev``
@@ -385,6 +386,13 @@ def check_grads(fn: Callable[..., Any], args: Sequence[Any], order: int = 1,
         ``jax.enable_x64``), with the float64 tolerance and the verdict of
         :func:`jax.test_util.check_grads`: it checks the math of the float64
         program, not what the function computes at the inputs' dtypes.
+      matmul_precision: the precision of matrix products while checking (JAX's
+        ``jax_default_matmul_precision``). The default, ``"float32"``, checks
+        float32 products at full float32: on a GPU JAX's default is TF32 (10-bit
+        mantissa, about 1e-3 relative), on a TPU bfloat16 passes, and either
+        rounding exceeds the float32 tolerance with no derivative wrong. ``None``
+        checks under your own configuration (pass ``atol``/``rtol`` to match it).
+        On the CPU every setting computes float32 products in full.
 
     Returns:
       A :class:`GradCheckReport`; ``report.passed``, ``report.raise_if_failed()``.
@@ -423,6 +431,26 @@ def check_grads(fn: Callable[..., Any], args: Sequence[Any], order: int = 1,
     eps = _EPS if eps is None else float(eps)
     if eps == 0:
         raise GradkitError("check_grads: eps, the finite-difference step, must be positive, got 0.")
+    if matmul_precision is not None and matmul_precision not in _MATMUL_PRECISIONS:
+        raise GradkitError(f"check_grads: matmul_precision must be one of {', '.join(_MATMUL_PRECISIONS)} or None "
+                           f"(your own jax_default_matmul_precision), got {matmul_precision!r}.")
+    precision = (jax.default_matmul_precision(matmul_precision) if matmul_precision is not None
+                 else contextlib.nullcontext())
+    with precision:
+        report = _check_grads(fn, args, order, modes, atol, rtol, eps, max_coords, upcast)
+    if raise_on_failure:
+        report.raise_if_failed()
+    return report
+
+
+#: The names ``jax.default_matmul_precision`` takes.
+_MATMUL_PRECISIONS = ("bfloat16", "tensorfloat32", "float32", "default", "high", "highest")
+
+
+def _check_grads(fn: Callable[..., Any], args: Sequence[Any], order: int, modes: tuple[str, ...],
+                 atol: float | None, rtol: float | None, eps: float, max_coords: int,
+                 upcast: bool) -> GradCheckReport:
+    """check_grads after its arguments are checked, under the chosen matmul precision."""
 
     split, dyn, names = float_inputs(fn, args)
     if not dyn:
@@ -473,11 +501,8 @@ def check_grads(fn: Callable[..., Any], args: Sequence[Any], order: int = 1,
     if not tols:
         tols[str(all_dtype)] = (d_atol, d_rtol)
     loosest = max(tols.values())
-    report = GradCheckReport(fn_name(fn), tuple(rows), tuple(verdicts), loosest[0], loosest[1], eps, upcast,
-                             tuple((d, a, r) for d, (a, r) in tols.items()))
-    if raise_on_failure:
-        report.raise_if_failed()
-    return report
+    return GradCheckReport(fn_name(fn), tuple(rows), tuple(verdicts), loosest[0], loosest[1], eps, upcast,
+                           tuple((d, a, r) for d, (a, r) in tols.items()))
 
 
 def _jax_verdict(f: Callable[..., Any], args: tuple[Any, ...], order: int, mode: str, atol: float, rtol: float,

@@ -404,9 +404,13 @@ class Guard:
         callback's (``JaxRuntimeError``/``ValueError``, ``INTERNAL: CpuCallback
         error …``); the wrapped step calls ``step`` inside ``with self:``,
         which re-raises the guard's exception instead, from the step's call.
-        On the CPU the callback runs within that call; on an accelerator JAX
-        can raise at the first use of the results instead (``float(loss)``):
-        put ``with guard:`` around the loop to catch that too.
+        In ``"raise"`` mode the wrapped step waits for its results
+        (``jax.block_until_ready``) before it returns: on a GPU or TPU the
+        callback's error otherwise arrives at the first use of the results,
+        after the call (seen on an H200). That wait gives up overlapping
+        the next step's dispatch with this one; to keep it, call the step
+        unwrapped with ``with guard:`` around the loop, which re-raises the
+        guard's error wherever in the block JAX raises it.
 
         Examples:
           >>> import jax, jax.numpy as jnp, gradkit as gk
@@ -421,10 +425,13 @@ class Guard:
         if not callable(step):
             raise GradkitError(f"guard({self._name}).wrap: expected the step function, got {type(step).__name__}.")
 
+        wait = self.on_nonfinite == "raise"
+
         @functools.wraps(step)
         def guarded_step(*args: Any, **kwargs: Any) -> Any:
             with self:
-                return step(*args, **kwargs)
+                out = step(*args, **kwargs)
+                return jax.block_until_ready(out) if wait else out
 
         return guarded_step
 
