@@ -41,11 +41,16 @@ def log_loss(w, x):
 
 
 def assert_same(a, b):
+    """Bit for bit on XLA:CPU (the guard's promise there); elsewhere within 2 ULP: on an H200 the guard's
+    check changed XLA:GPU's fusion of a has_aux step and the last bit of 11 of 16 gradient elements."""
     la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
     assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
     for u, v in zip(la, lb):
         assert u.dtype == v.dtype and u.shape == v.shape
-        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))  # bit for bit (NaN == NaN here)
+        if jax.default_backend() == "cpu":
+            np.testing.assert_array_equal(np.asarray(u), np.asarray(v))  # bit for bit (NaN == NaN here)
+        else:
+            np.testing.assert_array_max_ulp(np.asarray(u), np.asarray(v), maxulp=2)
 
 
 @pytest.fixture

@@ -168,4 +168,6 @@ def test_a_broadcast_bias_gradient_is_summed_in_float32(maybe_jit):
     plain = np.asarray(maybe_jit(jax.grad(f))(b), np.float64)
     err = lambda g: np.max(np.abs(g - ref) / np.abs(ref))
     assert err(ours) <= 2 ** -8  # one rounding of the float32 sum
-    assert err(plain) > 4 * err(ours)
+    assert err(ours) <= err(plain)
+    if jax.default_backend() == "cpu":  # XLA:CPU sums bfloat16 in bfloat16; XLA:GPU already in float32 (H200)
+        assert err(plain) > 4 * err(ours)
