@@ -5,6 +5,7 @@ any pure function, inside jit, scan, while, cond, remat and vmap. Everything
 under ``gradkit._src`` is private.
 """
 
+from gradkit import attribution as attribution
 from gradkit import estimators as estimators
 from gradkit import stable as stable
 from gradkit import tables as tables
@@ -45,6 +46,7 @@ __all__ = [
     "OpView",
     "Rule",
     "RuleTable",
+    "attribution",
     "audit",
     "check_grads",
     "compare",
