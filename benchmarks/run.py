@@ -292,6 +292,7 @@ def row_stable_floor(quick: bool) -> list[dict[str, Any]]:
 def _extra_rows() -> list[Callable[[bool], list[dict[str, Any]]]]:
     """Rows kept in their own modules (benchmarks/*.py), in the same format."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_attribution
     import bench_cache_memory
     import bench_custom_gradient
     import bench_f32_backward
@@ -301,7 +302,7 @@ def _extra_rows() -> list[Callable[[bool], list[dict[str, Any]]]]:
     import trace_cost
 
     return [*trace_cost.ROWS, *first_call.ROWS, bench_custom_gradient.rows, bench_guard.rows, bench_f32_backward.rows,
-            bench_cache_memory.rows, bench_safe.rows]
+            bench_cache_memory.rows, bench_safe.rows, bench_attribution.rows]
 
 
 ROWS = [row_elementwise, row_mlp, row_scan, row_vmapped, row_stable, row_stable_floor, row_table_size, row_eager_calls,
