@@ -246,8 +246,10 @@ class Overridden:
         body = call.params["jaxpr"]
         if self._strict:
             _check_strict(self._fn, self._table, {op_name(e) for e, _ in walk.equations(body)})
+            if self._table.scoped_ops:
+                _check_strict_scopes(self._fn, self._table, body)
         splicer = Splicer(self._table, self._replacements)
-        new_body = walk.Rewrite(splicer)(body)
+        new_body = walk.Rewrite(splicer, scoped=splicer.scoped)(body)
         if new_body is not body:
             outer = compat.replace_eqns(outer, [call.replace(params={**call.params, "jaxpr": new_body})])
         return _Entry(outer, new_body, out_box[0], dict(splicer.matched), named_ops)
@@ -314,7 +316,7 @@ def _fname(fn: Any) -> str:
 
 
 def _check_strict(fn: Any, table: RuleTable, present: set[str]) -> None:
-    unmatched = sorted(table.names() - present)
+    unmatched = sorted(n for n in table.names() - present if "::" not in n)  # scoped: _check_strict_scopes
     if not unmatched:
         return
     lines = []
@@ -326,6 +328,50 @@ def _check_strict(fn: Any, table: RuleTable, present: set[str]) -> None:
         f"override({_fname(fn)}, strict=True): {len(unmatched)} rule(s) matched no op in the traced program:\n"
         + "\n".join(lines)
         + f"\nOps in the program: {', '.join(sorted(present))}. Fix the names, or drop strict=True.")
+
+
+def _check_strict_scopes(fn: Any, table: RuleTable, body: Any) -> None:
+    """Raises for a scoped entry whose scope holds no equation of its op, naming the scopes the program has.
+
+    A scope that holds no equation at all is one line (with its near misses
+    among the program's scopes); a scope that exists but lacks the op is one
+    line per entry, with the scopes where the op does occur.
+    """
+    where: dict[str, set[tuple[str, ...]]] = {}  # op name -> the scopes it occurs at
+    for eqn, scopes in walk.scoped_equations(body):
+        where.setdefault(op_name(eqn), set()).add(scopes)
+    stacks = {s for ss in where.values() for s in ss}
+    paths = sorted({"/".join(s[:i]) for s in stacks for i in range(1, len(s) + 1)})
+    empty: dict[str, list[str]] = {}  # scope text -> ops of its entries, for scopes that hold no equation
+    lines = []
+    for key, sc, op in table.scoped_entries():
+        if not any(sc.matches(s) for s in stacks):
+            empty.setdefault(sc.text, []).append(op)
+            continue
+        if any(sc.matches(s) for s in where.get(op, ())):
+            continue
+        at = sorted({"/".join(s) or "(top level)" for s in where.get(op, ())})
+        found = (f"it occurs in {', '.join(at[:6])}{', ...' if len(at) > 6 else ''}" if at
+                 else "not in the program" + _did_you_mean(near_misses(op, where)))
+        lines.append(f"  '{key}': no '{op}' inside scope '{sc.text}' ({found})")
+    for text, ops in empty.items():
+        parts = {p for s in stacks for p in s}
+        close = near_misses(text.lstrip("/"), set(paths) | parts)
+        shown = ", ".join(ops[:6]) + (", ..." if len(ops) > 6 else "")
+        lines.insert(0, f"  scope '{text}' (rules for {shown}) matches no equation{_did_you_mean(close)}")
+    if not lines:
+        return
+    raise GradkitError(
+        f"override({_fname(fn)}, strict=True): scoped rules matched no op in the traced program:\n"
+        + "\n".join(lines)
+        + f"\nScopes in the program: {', '.join(paths[:20]) or '(none: no jax.named_scope or module names)'}"
+        + (", ..." if len(paths) > 20 else "")
+        + ". A scope's '/'-separated components match a contiguous run of an equation's name stack "
+        "(jax.named_scope, Flax module paths), '*' within one component; fix the scope, or drop strict=True.")
+
+
+def _did_you_mean(close: Sequence[str]) -> str:
+    return f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
 
 
 def _as_table(table: Any) -> RuleTable:

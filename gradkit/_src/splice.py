@@ -179,17 +179,29 @@ class Splicer:
     def __init__(self, table: RuleTable, replacements: Replacements) -> None:
         self.table = table
         self.replacements = replacements
-        self.matched: dict[str, str] = {}  # op name -> source line of its first match
+        self.matched: dict[str, str] = {}  # table key (op name, or "<scope>::<op>") -> source line of its first match
+        self._scoped_ops = table.scoped_ops
 
-    def __call__(self, eqn: JaxprEqn) -> list[JaxprEqn] | None:
+    @property
+    def scoped(self) -> bool:
+        """Whether the table has scoped entries: the walk must pass each equation's enclosing scopes."""
+        return bool(self._scoped_ops)
+
+    def __call__(self, eqn: JaxprEqn, outer: tuple[str, ...] = ()) -> list[JaxprEqn] | None:
         if not self.table:
             return None
         name = op_name(eqn)
-        rule = self.table.get(name)
-        if rule is None:
-            return None
-        if name not in self.matched:
-            self.matched[name] = compat.source_line(eqn)
+        if name in self._scoped_ops:  # the equation's whole scopes: the enclosing equations' first
+            hit = self.table.rule_for(name, outer + compat.name_scopes(eqn), compat.source_line(eqn))
+            if hit is None:
+                return None
+            key, rule = hit
+        else:
+            key, rule = name, self.table.get(name)
+            if rule is None:
+                return None
+        if key not in self.matched:
+            self.matched[key] = compat.source_line(eqn)
         # A library rule may know that, on this equation, it is JAX's own derivative bit for bit (SAFE's
         # product by a finite nonzero constant): the equation stays as it is, and costs nothing more.
         keeps = getattr(rule.fn, "keeps_jax_derivative", None)

@@ -22,6 +22,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from gradkit._src import library
+from gradkit._src import scope as _scope
 from gradkit._src.errors import GradkitError
 from gradkit._src.rule import Rule
 
@@ -44,6 +45,10 @@ class RuleTable(Mapping[str, Rule]):
     thousands of rules. Tables merge with ``|`` (the right side wins), and
     compare equal to any mapping that makes the same table.
 
+    A key ``"<scope>::<op>"`` applies its rule only inside a part of the
+    program (see :meth:`within`, which writes such keys): where an unscoped
+    and a scoped entry for one op both match, the more specific scope wins.
+
     Args:
       rules: a mapping from op name to a :class:`Rule`, or to a library rule
         by name (``"safe"``) or as ``{"rule": name, **params}``, exactly as in
@@ -57,7 +62,7 @@ class RuleTable(Mapping[str, Rule]):
       (['cos', 'sin'], True, 16)
     """
 
-    __slots__ = ("_rules", "_fingerprint")
+    __slots__ = ("_rules", "_fingerprint", "_scoped")
 
     def __init__(self, rules: Mapping[str, Any] | None = None, *, source: str | None = None):
         rules = {} if rules is None else rules
@@ -69,16 +74,27 @@ class RuleTable(Mapping[str, Rule]):
         if isinstance(rules, RuleTable):
             self._rules: dict[str, Rule] = dict(rules._rules)
             self._fingerprint: str | None = rules._fingerprint
+            self._scoped: dict[str, tuple[tuple[str, _scope.Scope, Rule], ...]] = rules._scoped
             return
         checked: dict[str, Rule] = {}
+        scoped: dict[str, list[tuple[str, _scope.Scope, Rule]]] = {}
         for name, rule in rules.items():
             if not isinstance(name, str) or not name or name != name.strip():
                 raise GradkitError(
                     f"{source + ': ' if source else ''}table entry {name!r}: op names must be non-empty strings "
                     "without surrounding spaces, such as 'sqrt', the name given to gk.op, or 'fn:softplus'.")
-            checked[name] = rule if isinstance(rule, Rule) else _library_entry(name, rule, source)
+            where = f"{source + ': ' if source else ''}table entry"
+            sc, op = _scope.split_key(name, where=where)
+            key = name if sc is None else _scope.join_key(sc, op)
+            rule = rule if isinstance(rule, Rule) else _library_entry(op, rule, source, key)
+            checked[key] = rule
+            if sc is not None:
+                scoped.setdefault(op, []).append((key, sc, rule))
         self._rules = checked
         self._fingerprint = None
+        # op name -> its scoped entries, most specific first (ties: see rule_for)
+        self._scoped = {op: tuple(sorted(entries, key=lambda e: e[1].rank, reverse=True))
+                        for op, entries in scoped.items()}
 
     # Mapping protocol
     def __getitem__(self, name: str) -> Rule:
@@ -99,11 +115,117 @@ class RuleTable(Mapping[str, Rule]):
     def names(self) -> frozenset[str]:
         return frozenset(self._rules)
 
+    @property
+    def scoped_ops(self) -> frozenset[str]:
+        """The op names some scoped entry (``"<scope>::<op>"``) is for; empty for an unscoped table."""
+        return frozenset(self._scoped)
+
+    def scoped_entries(self) -> list[tuple[str, _scope.Scope, str]]:
+        """``(key, scope, op)`` of every scoped entry, in table order."""
+        out = []
+        for key in self._rules:
+            sc, op = _scope.split_key(key)
+            if sc is not None:
+                out.append((key, sc, op))
+        return out
+
+    def rule_for(self, name: str, scopes: tuple[str, ...],
+                 where: str = "unknown source line") -> tuple[str, Rule] | None:
+        """The entry that applies to op ``name`` at name-stack ``scopes``: ``(key, rule)``, or ``None``.
+
+        The most specific matching scope wins (:mod:`gradkit._src.scope`),
+        then the unscoped entry. Two different rules of equal rank on one
+        equation raise: no order of the table may decide.
+        """
+        entries = self._scoped.get(name)
+        if entries:
+            for i, (key, sc, rule) in enumerate(entries):
+                if not sc.matches(scopes):
+                    continue
+                for key2, sc2, rule2 in entries[i + 1:]:
+                    if sc2.rank != sc.rank:
+                        break
+                    if (rule2.mode, rule2.key) != (rule.mode, rule.key) and sc2.matches(scopes):
+                        raise GradkitError(
+                            f"op '{name}' at {where} (scopes {'/'.join(scopes) or '(top level)'}) is matched by "
+                            f"'{key}' ({rule.name}) and '{key2}' ({rule2.name}), equally specific scopes with "
+                            "different rules. Make one more specific (more components, fewer wildcards, or "
+                            "anchored with a leading '/'), or give both scopes the same rule.")
+                return key, rule
+        plain = self._rules.get(name)
+        return None if plain is None else (name, plain)
+
+    def within(self, scope: str) -> RuleTable:
+        """This table with every rule restricted to the part of the program inside ``scope``.
+
+        ``scope`` is matched against the equations' **name stack**, the scope
+        names ``jax.named_scope`` records (Flax linen records module paths
+        such as ``Model/enc/Dense_0``; Equinox records module types such as
+        ``eqx.nn.MLP/eqx.nn.Linear``), at any depth of the program: inside
+        ``jit``, ``scan``, ``while``, ``cond``, ``checkpoint`` and ``vmap``,
+        a sub-program's scopes follow those of the equation that calls it.
+
+        Matching: ``scope`` is ``/``-separated components, each a shell
+        pattern for one name-stack component (``*``, ``?``, ``[...]``;
+        ``**`` stands for any number of components). It matches an equation
+        when its components match a contiguous run of the equation's scopes,
+        anywhere — everything below that run is inside, as ops created in a
+        ``with`` block were for TensorFlow's ``gradient_override_map``:
+        ``"enc"`` covers ``Model/enc`` and ``Model/enc/Dense_0``, not
+        ``Model/encoder``; ``"*/Conv_*"`` covers every ``Conv_<i>`` one level
+        or more below the top. A leading ``/`` anchors the run at the top of
+        the overridden function (``"/Model/enc"``). Scopes are those inside
+        the overridden function: a ``jax.named_scope`` around the *call* of
+        an overridden function is not part of them.
+
+        Precedence: where several entries for one op match one equation, a
+        scoped entry beats an unscoped one; between scopes the one with more
+        components (``**`` not counted) wins, then the one with more
+        components free of wildcards, then an anchored one. Two different
+        rules equally specific on one equation are a :class:`GradkitError`
+        (tables compare by content, so no order may decide); the same key in
+        both operands of ``|`` is replaced by the right one, as for unscoped
+        entries.
+
+        The keys of the result are ``"<scope>::<op>"`` (``"enc::sqrt"``),
+        which :meth:`from_dict` and TOML configs accept too. An entry already
+        scoped to ``s`` becomes ``"<scope>/**/<s>"`` (``s`` anywhere inside
+        ``scope``), or ``"<scope>/<s>"`` for an anchored ``"/<s>"``.
+
+        Args:
+          scope: the scope pattern, e.g. ``"enc"``, ``"Model/dec"``, ``"*/Conv_*"``.
+
+        Returns:
+          A new table; this one is unchanged.
+
+        Examples:
+          >>> import jax, jax.numpy as jnp, gradkit as gk
+          >>> def f(x):
+          ...     with jax.named_scope("enc"):
+          ...         a = jnp.sqrt(x)
+          ...     with jax.named_scope("dec"):
+          ...         b = jnp.sqrt(x)
+          ...     return jnp.where(x > 0, a + b, 0.0)
+          >>> float(jax.grad(f)(0.0))
+          nan
+          >>> t = gk.tables.SAFE.within("enc") | gk.tables.SAFE.within("dec")
+          >>> float(jax.grad(gk.override(f, t))(0.0))
+          0.0
+          >>> "enc::sqrt" in t, gk.RuleTable({"*/Conv_*::sqrt": "safe"}) == {"*/Conv_*::sqrt": "safe"}
+          (True, True)
+        """
+        outer = _scope.parse(scope, where="RuleTable.within")
+        out: dict[str, Rule] = {}
+        for key, rule in self._rules.items():
+            sc, op = _scope.split_key(key)
+            out[_scope.join_key(outer if sc is None else sc.inside(outer), op)] = rule
+        return RuleTable(out)
+
     def __or__(self, other: Mapping[str, Rule]) -> RuleTable:
         if not isinstance(other, Mapping):
             return NotImplemented
         other_rules = other._rules if isinstance(other, RuleTable) else RuleTable(other)._rules
-        return RuleTable({**self._rules, **other_rules})
+        return RuleTable({**self._rules, **other_rules})  # keys are normalized: the right side replaces
 
     def __ror__(self, other: Mapping[str, Rule]) -> RuleTable:
         if not isinstance(other, Mapping):
@@ -199,9 +321,10 @@ class RuleTable(Mapping[str, Rule]):
         return cls.from_dict(data, source=path)
 
 
-def _library_entry(op_name: str, entry: Any, source: str | None) -> Rule:
+def _library_entry(op_name: str, entry: Any, source: str | None, key: str | None = None) -> Rule:
     """The library rule an entry names: ``"safe"`` or ``{"rule": "clamped_log", "eps": 1e-30}``."""
-    where = f"{source}: entry '{op_name}'" if source else f"table entry '{op_name}'"
+    key = key or op_name
+    where = f"{source}: entry '{key}'" if source else f"table entry '{key}'"
     if isinstance(entry, str):
         return library.make_rule(entry, op_name, {}, where=where)
     if isinstance(entry, Mapping):

@@ -16,6 +16,7 @@ jaxpr is, per JAX version, is :mod:`gradkit._src.compat`'s business.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -121,6 +122,30 @@ def equations(jaxpr: Any, enter: Callable[[JaxprEqn], bool] = enters) -> Iterato
                 stack.extend(compat.jaxpr_parts(s)[0] for s in subprograms(eqn.params))
 
 
+def scoped_equations(jaxpr: Any, enter: Callable[[JaxprEqn], bool] = enters
+                     ) -> Iterator[tuple[JaxprEqn, tuple[str, ...]]]:
+    """Every equation, as :func:`equations` finds them, with its whole name-stack scopes.
+
+    An equation inside a sub-program carries its scopes relative to the
+    equation that holds the sub-program (JAX traces sub-programs with a fresh
+    name stack); here they are joined: a ``cos`` in a scan body under
+    ``jax.named_scope("enc")`` has ``("enc", ...)``. A sub-program reached
+    under two different scopes is visited under each.
+    """
+    seen: set[tuple[int, tuple[str, ...]]] = set()
+    stack: list[tuple[Any, tuple[str, ...]]] = [(compat.jaxpr_parts(jaxpr)[0], ())]
+    while stack:
+        j, outer = stack.pop()
+        if (id(j), outer) in seen:
+            continue
+        seen.add((id(j), outer))
+        for eqn in j.eqns:
+            scopes = outer + compat.name_scopes(eqn)
+            yield eqn, scopes
+            if enter(eqn):
+                stack.extend((compat.jaxpr_parts(s)[0], scopes) for s in subprograms(eqn.params))
+
+
 class Rewrite:
     """Maps a jaxpr to one in which some equations are replaced, at any depth.
 
@@ -129,34 +154,45 @@ class Rewrite:
     unchanged is shared with the input: an equation, a sub-program, the whole
     jaxpr when nothing matched. A sub-program shared by several equations is
     rewritten once.
+
+    With ``scoped=True``, ``replace(eqn, outer)`` also gets the name-stack
+    scopes of the equations that hold ``eqn``'s jaxpr (``()`` at the top; see
+    :func:`scoped_equations`), and a sub-program shared by equations under
+    different scopes is rewritten once per scope.
     """
 
-    def __init__(self, replace: Callable[[JaxprEqn], list[JaxprEqn] | None],
-                 enter: Callable[[JaxprEqn], bool] = enters) -> None:
+    def __init__(self, replace: Callable[..., list[JaxprEqn] | None],
+                 enter: Callable[[JaxprEqn], bool] = enters, *, scoped: bool = False) -> None:
         self._replace = replace
         self._enter = enter
-        self._memo: dict[int, tuple[Any, Any]] = {}
+        self._scoped = scoped
+        self._memo: dict[Any, tuple[Any, Any]] = {}
 
     def __call__(self, jaxpr: Any) -> Any:
-        hit = self._memo.get(id(jaxpr))
+        return self._rewrite(jaxpr, ())
+
+    def _rewrite(self, jaxpr: Any, outer: tuple[str, ...]) -> Any:
+        memo_key = (id(jaxpr), outer) if self._scoped else id(jaxpr)
+        hit = self._memo.get(memo_key)
         if hit is not None and hit[0] is jaxpr:
             return hit[1]
         core, _ = compat.jaxpr_parts(jaxpr)
         eqns: list[JaxprEqn] = []
         changed = False
         for eqn in core.eqns:
-            new = self._replace(eqn)
+            new = self._replace(eqn, outer) if self._scoped else self._replace(eqn)
             if new is not None:
                 eqns.extend(new)
                 changed = True
                 continue
             if self._enter(eqn) and has_subprograms(eqn):
+                inner = outer + compat.name_scopes(eqn) if self._scoped else outer
                 with compat.body_context(eqn):  # code traced for a shard_map body sees its mesh axes
-                    params = map_subprograms(eqn.params, self)
+                    params = map_subprograms(eqn.params, functools.partial(self._rewrite, outer=inner))
                 if params is not None:
                     eqn = eqn.replace(params=params)
                     changed = True
             eqns.append(eqn)
         result = compat.replace_eqns(jaxpr, eqns) if changed else jaxpr
-        self._memo[id(jaxpr)] = (jaxpr, result)
+        self._memo[memo_key] = (jaxpr, result)
         return result

@@ -18,8 +18,9 @@ gradkit imports ``gradkit._src.compat`` and nothing from ``jax._src``.
   (jax 0.12 keeps them in a ``FlatTree``), ``while`` and ``cond``; the
   config that changes what tracing produces (``trace_context``).
 * :mod:`~gradkit._src.compat.source` — the user's source line of an
-  equation (``source_info_util``), and the registration that makes JAX's
-  tracebacks skip gradkit's frames (what Flax and Equinox do too).
+  equation (``source_info_util``), the scopes on its name stack
+  (:func:`name_scopes`), and the registration that makes JAX's tracebacks
+  skip gradkit's frames (what Flax and Equinox do too).
 * :mod:`~gradkit._src.compat.primitive` — ``safe_scale``, the one primitive
   gradkit defines, with its own JVP, transpose, batching and lowering rules.
   Registering rules for gradkit's own primitive is extension; no rule of a
@@ -92,6 +93,7 @@ from gradkit._src.compat.primitive import (
 )
 from gradkit._src.compat.source import (
     library_callee,
+    name_scopes,
     register_source_exclusion,
     source_line,
     source_of,
@@ -113,5 +115,5 @@ __all__ = [
     # primitive
     "OWN_PRIMITIVES", "match_varying", "safe_scale", "safe_scale_p",
     # source
-    "library_callee", "register_source_exclusion", "source_line", "source_of", "source_span",
+    "library_callee", "name_scopes", "register_source_exclusion", "source_line", "source_of", "source_span",
 ]

@@ -34,6 +34,24 @@ def source_of(eqn: JaxprEqn) -> Iterator[None]:
         yield
 
 
+def name_scopes(eqn: JaxprEqn) -> tuple[str, ...]:
+    """The scope names on ``eqn``'s name stack, outermost first, relative to the equation holding it.
+
+    ``jax.named_scope("enc")`` gives ``("enc",)``; Flax linen's module path
+    ``Model/enc/Dense_0`` gives ``("Model", "enc", "Dense_0")`` (a name with
+    ``/`` is split there); Equinox records ``("eqx.nn.MLP", "eqx.nn.Linear")``.
+    Transform entries (``vmap()``, ``jvp()``) are not scopes and are left out.
+    An equation inside a sub-program (a scan body, a jitted function) carries
+    its stack relative to the enclosing equation: the caller prepends that
+    equation's scopes.
+    """
+    out: list[str] = []
+    for entry in eqn.source_info.name_stack.stack:
+        if isinstance(entry, _siu.Scope):
+            out.extend(part for part in entry.name.split("/") if part)
+    return tuple(out)
+
+
 def source_line(eqn: JaxprEqn | None) -> str:
     """``file:line (function)`` of the user code that created ``eqn``."""
     if eqn is None:
