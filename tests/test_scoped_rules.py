@@ -278,6 +278,36 @@ def test_scope_around_the_overridden_call_is_not_part_of_it():
     assert float(jax.grad(g)(x)) == float(jax.grad(jax.jit(jnp.sin))(x))
 
 
+def test_named_ops_and_nested_overrides_in_scopes():
+    softplus = gk.op("softplus")(lambda v: jnp.log1p(jnp.exp(v)))
+    half = gk.vjp_rule(lambda op, g: (0.5 * g * jax.nn.sigmoid(op.inputs[0]),), name="half")
+
+    def f(x):
+        with jax.named_scope("enc"):
+            a = softplus(x)
+        return a + softplus(2.0 * x)
+
+    x = jnp.float32(0.3)
+    g = jax.grad(gk.override(f, gk.RuleTable({"softplus": half}).within("enc"), strict=True))(x)
+    np.testing.assert_allclose(g, 0.5 * jax.nn.sigmoid(x) + 2.0 * jax.nn.sigmoid(2.0 * x), rtol=1e-6)
+    # an inner overridden function is one jit equation of the outer program: its scopes join the caller's
+    inner = gk.override(lambda v: jnp.sin(v), {})
+
+    def outer(x):
+        with jax.named_scope("enc"):
+            a = inner(x)
+        return a + inner(2.0 * x)
+
+    g = jax.grad(gk.override(outer, gk.RuleTable({"sin": X2}).within("enc")))(x)
+    np.testing.assert_allclose(g, jax.grad(lambda x: _sin_scaled(2.0)(x) + jnp.sin(2.0 * x))(x), rtol=1e-6)
+
+
+def test_forward_mode_error_names_the_scoped_entry():
+    f = gk.override(two_scopes, gk.RuleTable({"sin": X2}).within("enc"))
+    with pytest.raises(gk.GradkitError, match=r"VJP rule \('enc::sin' at .*test_scoped_rules.py"):
+        jax.jvp(f, (jnp.float32(0.3),), (jnp.float32(1.0),))
+
+
 # --------------------------------------------------------------------------- no match is jax.jit
 
 
