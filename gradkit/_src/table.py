@@ -117,11 +117,24 @@ class RuleTable(Mapping[str, Rule]):
 
     @property
     def scoped_ops(self) -> frozenset[str]:
-        """The op names some scoped entry (``"<scope>::<op>"``) is for; empty for an unscoped table."""
+        """The op names some scoped entry (``"<scope>::<op>"``) is for; empty for an unscoped table.
+
+        Examples:
+          >>> import gradkit as gk
+          >>> sorted(gk.RuleTable({"sqrt": "safe", "enc::log": "safe"}).scoped_ops)
+          ['log']
+        """
         return frozenset(self._scoped)
 
     def scoped_entries(self) -> list[tuple[str, _scope.Scope, str]]:
-        """``(key, scope, op)`` of every scoped entry, in table order."""
+        """``(key, scope, op)`` of every scoped entry, in table order; the scope is parsed (``.text``, ``.parts``).
+
+        Examples:
+          >>> import gradkit as gk
+          >>> t = gk.RuleTable({"*/Conv_*::conv_general_dilated": "zero"})
+          >>> [(k, s.parts, op) for k, s, op in t.scoped_entries()]
+          [('*/Conv_*::conv_general_dilated', ('*', 'Conv_*'), 'conv_general_dilated')]
+        """
         out = []
         for key in self._rules:
             sc, op = _scope.split_key(key)
@@ -135,7 +148,17 @@ class RuleTable(Mapping[str, Rule]):
 
         The most specific matching scope wins (:mod:`gradkit._src.scope`),
         then the unscoped entry. Two different rules of equal rank on one
-        equation raise: no order of the table may decide.
+        equation raise: no order of the table may decide. ``scopes`` is the
+        equation's whole name stack (the scope names, outermost first);
+        ``where`` names it in that error.
+
+        Examples:
+          >>> import gradkit as gk
+          >>> t = gk.RuleTable({"sqrt": "safe", "enc::sqrt": "zero", "enc/Dense_0::sqrt": "straight_through"})
+          >>> [t.rule_for("sqrt", s)[0] for s in [(), ("Model", "enc"), ("Model", "enc", "Dense_0")]]
+          ['sqrt', 'enc::sqrt', 'enc/Dense_0::sqrt']
+          >>> t.rule_for("log", ("enc",)) is None
+          True
         """
         entries = self._scoped.get(name)
         if entries:
