@@ -495,3 +495,15 @@ def test_differential_random_scopes(seed):
         return
     sins = [jnp.sin if k is None else _sin_scaled(k) for k in choice]
     np.testing.assert_allclose(jax.grad(f)(x), jax.grad(lambda x: program(x, sins))(x), rtol=1e-5, atol=1e-6)
+
+
+def test_audit_coverage_counts_scoped_entries_where_they_apply():
+    def f(x):
+        with jax.named_scope("enc"):
+            a = jnp.sqrt(x)
+        return jnp.sum(a + jnp.sqrt(x * 2.0) + jnp.log1p(x))
+
+    t = gk.RuleTable({"sqrt": "safe"}).within("enc") | gk.RuleTable({"log": "safe", "dec::log1p": "safe"})
+    cov = gk.audit(f, jnp.array([0.0, 1.0]), table=t).coverage
+    assert dict(cov.fired) == {"enc::sqrt": 1}  # the unscoped sqrt outside enc is not the table's
+    assert set(cov.never) == {"log", "dec::log1p"}

@@ -350,9 +350,16 @@ def _coverage(prog: Program, table: Any) -> Coverage:
 
     tbl = table if isinstance(table, RuleTable) else RuleTable(table)
     closed = jax.make_jaxpr(prog.flat())(*prog.dyn)
-    # a matched equation is replaced whole by its rule: nothing inside it is matched
-    enter = lambda eqn: walk.enters(eqn) and op_name(eqn) not in tbl
-    counts = Counter(name for name in (op_name(e) for e, _ in walk.equations(closed, enter)) if name in tbl)
+    counts: Counter[str] = Counter()
+    if tbl.scoped_ops:  # a scoped entry matches by the equation's name stack: count the key that applies
+        for eqn, scopes in walk.scoped_equations(closed):
+            hit = tbl.rule_for(op_name(eqn), scopes)
+            if hit is not None:
+                counts[hit[0]] += 1
+    else:
+        # a matched equation is replaced whole by its rule: nothing inside it is matched
+        enter = lambda eqn: walk.enters(eqn) and op_name(eqn) not in tbl
+        counts.update(name for name in (op_name(e) for e, _ in walk.equations(closed, enter)) if name in tbl)
     fired = tuple(sorted(counts.items()))
     never = tuple(sorted(n for n in tbl.names() if n not in counts))
     return Coverage(len(tbl), fired, never)
