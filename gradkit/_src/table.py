@@ -146,7 +146,7 @@ class RuleTable(Mapping[str, Rule]):
                  where: str = "unknown source line") -> tuple[str, Rule] | None:
         """The entry that applies to op ``name`` at name-stack ``scopes``: ``(key, rule)``, or ``None``.
 
-        The most specific matching scope wins (:mod:`gradkit._src.scope`),
+        The most specific matching scope wins (``gradkit._src.scope``),
         then the unscoped entry. Two different rules of equal rank on one
         equation raise: no order of the table may decide. ``scopes`` is the
         equation's whole name stack (the scope names, outermost first);
