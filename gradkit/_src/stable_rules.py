@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gradkit._src import compat
+from gradkit._src import numerics as _k
 from gradkit._src.errors import GradkitError
 from gradkit._src.rule import OpView
 
@@ -81,6 +82,18 @@ def default_jvp(op: OpView, tangents: tuple[Any, ...], rule_name: str) -> Any:
     return t_out
 
 
+# The primitives' kernels, each with its output tangent alone: what the kernel's own JVP rule computes for
+# the tangent (numerics.py: `_sigmoid_jvp`, `_tanh_jvp`, `_expm1_jvp`), operation for operation, so the
+# derivative is the same at every order (tests/test_stable_tangent_only.py). A rule for the primitive needs no
+# value: the matched equation computes it, and jax.jvp of the kernel would trace, lower and compile the
+# kernel's value once more per match.
+_TANGENT_ONLY: dict[Any, Callable[[Any, Any], Any]] = {
+    _k.sigmoid: lambda x, t: t * _k.sigmoid_prime(x),
+    _k.tanh: lambda x, t: t * (4.0 * _k.sigmoid_prime(2.0 * x)),
+    _k.expm1: lambda x, t: t * jnp.exp(x),
+}
+
+
 def jvp_via(body: Callable[..., Any], keywords: tuple[str, ...] = (), *,
             label: str = "gradkit.stable") -> Callable[[OpView, tuple[Any, ...]], Any]:
     """A JVP rule that differentiates ``body(*op.inputs, **params)``, a stable function with a custom_jvp.
@@ -94,7 +107,11 @@ def jvp_via(body: Callable[..., Any], keywords: tuple[str, ...] = (), *,
     The stable derivatives are for real inputs: a primitive or a JAX function
     with a complex input keeps its own (JAX's) derivative, as if the rule did
     not match (a gradkit named op's own derivative is the body's anyway).
+
+    A one-input kernel with a known output tangent (``_TANGENT_ONLY``: the
+    rules of ``logistic``, ``tanh``, ``expm1``) computes that tangent alone.
     """
+    tangent_only = _TANGENT_ONLY.get(body) if not keywords else None
 
     def rule(op: OpView, tangents: tuple[Any, ...]) -> Any:
         if (keywords and is_foreign_jit(op)) or (_complex(op.inputs) and _has_own_function(op)):
@@ -114,6 +131,8 @@ def jvp_via(body: Callable[..., Any], keywords: tuple[str, ...] = (), *,
         primals = tuple(_as_array(inputs[i]) for i in idx)
         ts = tuple(jnp.zeros_like(p) if i >= len(tangents) or tangents[i] is None else
                    _as_array(tangents[i], p.dtype) for i, p in zip(idx, primals))
+        if tangent_only is not None and len(inputs) == len(primals) == 1:
+            return tangent_only(primals[0], ts[0])
         try:
             _, t_out = jax.jvp(f, primals, ts)
         except TypeError as e:
