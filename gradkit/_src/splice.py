@@ -19,6 +19,7 @@ from typing import Any, NamedTuple, cast
 
 import jax
 import numpy as np
+from jax.custom_derivatives import SymbolicZero
 
 from gradkit._src import compat, named, validate
 from gradkit._src.cache import LRU
@@ -284,6 +285,10 @@ def apply_rule(rule: Rule, eqn: JaxprEqn, name: str, dyn_inputs: Sequence[Any]) 
         return list(fn(*dyn_inputs))
 
     jfn = jax.custom_jvp(primal)
+    # A library rule takes None for an input that carries no tangent (a constant of the program, such as
+    # data or a mask): it computes no term for it, as JAX's own rules do with their symbolic zeros. A user's
+    # rule gets zeros there (JAX's instantiated zeros), as it always has.
+    library = rule.key[:1] == ("gradkit",)
 
     def jvp(primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> tuple[list[Any], list[Any]]:
         outs = jfn(*primals)  # calling the custom function keeps the rule in force at every order
@@ -291,16 +296,16 @@ def apply_rule(rule: Rule, eqn: JaxprEqn, name: str, dyn_inputs: Sequence[Any]) 
         view = _view(eqn, name, inst, all_in, outs)
         t_all: list[Any] = [None] * len(literals)
         for i, t in zip(dyn_pos, tangents):
-            t_all[i] = None if validate.is_float0(t) else t
+            t_all[i] = None if isinstance(t, SymbolicZero) or validate.is_float0(t) else t
         t_out = validate.checked_call(rule, view, _per_input(inst, t_all))
         like = view.outputs
         flat = validate.align(rule, view, t_out, like, "output tangent")
         flat = validate.check_all(rule, view, flat, outs, "output tangent")
-        if rule.key[:1] != ("gradkit",):  # library rules are linear by construction
+        if not library:  # library rules are linear by construction
             _check_linear(rule, view, inst, t_all, outs)
         return outs, flat
 
-    jfn.defjvp(jvp)
+    jfn.defjvp(jvp, symbolic_zeros=library)
     return list(jfn(*dyn_inputs))
 
 
