@@ -306,14 +306,7 @@ def scaled_by_constant(eqn: Any) -> bool:
     and JAX's own rule gives the same derivative at every order.
     """
     lits = [compat.is_literal(a) for a in eqn.invars]
-    if eqn.primitive.name == "mul" and sum(lits) == 1:
-        c = eqn.invars[lits.index(True)].val
-    elif eqn.primitive.name == "div" and lits == [False, True]:
-        c = eqn.invars[1].val
-    else:
-        return False
-    c = np.asarray(c)
-    return bool(np.all(np.isfinite(c)) and np.all(c != 0))
+    return _by_constant(eqn.primitive, [a.val if lit else None for a, lit in zip(eqn.invars, lits)], lits)
 
 
 # --------------------------------------------------------------------------- opt-in: a fully masked row's NaN

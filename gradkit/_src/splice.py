@@ -193,7 +193,7 @@ class Splicer:
             return None
         name = op_name(eqn)
         if name in self._scoped_ops:  # the equation's whole scopes: the enclosing equations' first
-            hit = self.table.rule_for(name, outer + compat.name_scopes(eqn), compat.source_line(eqn))
+            hit = self.table.rule_for(name, outer + compat.name_scopes(eqn), lambda: compat.source_line(eqn))
             if hit is None:
                 return None
             key, rule = hit

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from gradkit._src import library
@@ -143,14 +143,14 @@ class RuleTable(Mapping[str, Rule]):
         return out
 
     def rule_for(self, name: str, scopes: tuple[str, ...],
-                 where: str = "unknown source line") -> tuple[str, Rule] | None:
+                 where: str | Callable[[], str] = "unknown source line") -> tuple[str, Rule] | None:
         """The entry that applies to op ``name`` at name-stack ``scopes``: ``(key, rule)``, or ``None``.
 
         The most specific matching scope wins (``gradkit._src.scope``),
         then the unscoped entry. Two different rules of equal rank on one
         equation raise: no order of the table may decide. ``scopes`` is the
         equation's whole name stack (the scope names, outermost first);
-        ``where`` names it in that error.
+        ``where`` (a string, or a function giving it) names it in that error.
 
         Examples:
           >>> import gradkit as gk
@@ -170,7 +170,8 @@ class RuleTable(Mapping[str, Rule]):
                         break
                     if (rule2.mode, rule2.key) != (rule.mode, rule.key) and sc2.matches(scopes):
                         raise GradkitError(
-                            f"op '{name}' at {where} (scopes {'/'.join(scopes) or '(top level)'}) is matched by "
+                            f"op '{name}' at {where() if callable(where) else where} "
+                            f"(scopes {'/'.join(scopes) or '(top level)'}) is matched by "
                             f"'{key}' ({rule.name}) and '{key2}' ({rule2.name}), equally specific scopes with "
                             "different rules. Make one more specific (more components, fewer wildcards, or "
                             "anchored with a leading '/'), or give both scopes the same rule.")

@@ -109,17 +109,7 @@ def equations(jaxpr: Any, enter: Callable[[JaxprEqn], bool] = enters) -> Iterato
     A sub-program shared by several equations (a jitted function called
     twice) is visited once.
     """
-    seen: set[int] = set()
-    stack = [compat.jaxpr_parts(jaxpr)[0]]
-    while stack:
-        j = stack.pop()
-        if id(j) in seen:
-            continue
-        seen.add(id(j))
-        for eqn in j.eqns:
-            yield eqn, j
-            if enter(eqn):
-                stack.extend(compat.jaxpr_parts(s)[0] for s in subprograms(eqn.params))
+    return ((eqn, j) for eqn, j, _ in _visit(jaxpr, enter, scoped=False))
 
 
 def scoped_equations(jaxpr: Any, enter: Callable[[JaxprEqn], bool] = enters
@@ -132,6 +122,12 @@ def scoped_equations(jaxpr: Any, enter: Callable[[JaxprEqn], bool] = enters
     ``jax.named_scope("enc")`` has ``("enc", ...)``. A sub-program reached
     under two different scopes is visited under each.
     """
+    return ((eqn, scopes) for eqn, _, scopes in _visit(jaxpr, enter, scoped=True))
+
+
+def _visit(jaxpr: Any, enter: Callable[[JaxprEqn], bool], scoped: bool
+           ) -> Iterator[tuple[JaxprEqn, Jaxpr, tuple[str, ...]]]:
+    """``(eqn, the jaxpr holding it, its scopes)``; the scopes are read only when ``scoped`` (else ``()``)."""
     seen: set[tuple[int, tuple[str, ...]]] = set()
     stack: list[tuple[Any, tuple[str, ...]]] = [(compat.jaxpr_parts(jaxpr)[0], ())]
     while stack:
@@ -140,8 +136,8 @@ def scoped_equations(jaxpr: Any, enter: Callable[[JaxprEqn], bool] = enters
             continue
         seen.add((id(j), outer))
         for eqn in j.eqns:
-            scopes = outer + compat.name_scopes(eqn)
-            yield eqn, scopes
+            scopes = outer + compat.name_scopes(eqn) if scoped else outer
+            yield eqn, j, scopes
             if enter(eqn):
                 stack.extend((compat.jaxpr_parts(s)[0], scopes) for s in subprograms(eqn.params))
 
