@@ -7,7 +7,7 @@ one function called with N distinct static values (each a new trace and a
 new compiled program, eagerly and under ``jax.grad``), the growth of the
 resident set measured from after a warm-up call. The row is the ratio
 gradkit / ``jax.jit(f, static_argnums=1)``: gradkit's caches (bounded LRUs, see
-``gradkit/_src/cache.py``) should hold no more than JAX's own.
+``gradkit/_src/core/cache.py``) should hold no more than JAX's own.
 """
 
 from __future__ import annotations

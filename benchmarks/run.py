@@ -255,7 +255,7 @@ def row_stable_floor(quick: bool) -> list[dict[str, Any]]:
     up to 1e7 ULP next to its zero); for softplus_inverse, gradkit's own
     derivative. Where a floor is above 1.1, so is every 2-ULP version.
     """
-    from gradkit._src import numerics as _k
+    from gradkit._src.stable import numerics as _k
 
     n = 100_000 if quick else 1_000_000
     x = jnp.linspace(-20.0, 20.0, n, dtype=jnp.float32)

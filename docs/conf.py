@@ -64,7 +64,7 @@ _EXTERNAL = ("jax", "jaxlib", "numpy", "np", "jnp", "typing", "collections", "ty
 nitpick_ignore_regex = [
     (r"py:.*", rf"({'|'.join(_EXTERNAL)})(\..*)?"),
     (r"py:.*", rf"({'|'.join(n for n in dir(builtins) if not n.startswith('_'))})"),
-    (r"py:class", r"gradkit\._src\.\w+\.[A-Z]\w*"),  # type variables and private classes in signatures
+    (r"py:class", r"gradkit\._src\.[\w.]+\.[A-Z]\w*"),  # type variables and private classes in signatures
 ]
 
 # --- notebooks: rendered with their stored outputs -------------------------------------------------

@@ -12,11 +12,11 @@ Examples:
   [1.0, 0.0]
 """
 
-from gradkit._src.attribution import DECONVNET as DECONVNET
-from gradkit._src.attribution import GUIDED_BACKPROP as GUIDED_BACKPROP
-from gradkit._src.attribution import deconvnet as deconvnet
-from gradkit._src.attribution import gradient as gradient
-from gradkit._src.attribution import gradient_x_input as gradient_x_input
-from gradkit._src.attribution import guided_backprop as guided_backprop
+from gradkit._src.attribution.attribution import DECONVNET as DECONVNET
+from gradkit._src.attribution.attribution import GUIDED_BACKPROP as GUIDED_BACKPROP
+from gradkit._src.attribution.attribution import deconvnet as deconvnet
+from gradkit._src.attribution.attribution import gradient as gradient
+from gradkit._src.attribution.attribution import gradient_x_input as gradient_x_input
+from gradkit._src.attribution.attribution import guided_backprop as guided_backprop
 
 __all__ = ["DECONVNET", "GUIDED_BACKPROP", "deconvnet", "gradient", "gradient_x_input", "guided_backprop"]

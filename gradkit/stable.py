@@ -3,7 +3,7 @@
 Every function here is a named op (:func:`gradkit.op`), so a rule table can
 target it by name, built around a ``jax.custom_jvp``, so forward mode,
 ``jax.hessian`` and every higher order work. Derivatives are written with
-accurate kernels (``gradkit/_src/numerics.py``): on XLA:CPU the elementwise
+accurate kernels (``gradkit/_src/stable/numerics.py``): on XLA:CPU the elementwise
 gradients have no non-finite value where the true derivative is finite, and
 are within 2 ULP over the whole float32 range (sinc' next to its zeros
 included), float64 too, except ``safe_pow`` in two bands a factor of 2 wide
@@ -24,35 +24,32 @@ Examples:
   1.0
 """
 
-from gradkit._src import stable_norms as _stable_norms
-from gradkit._src import stable_reduce as _stable_reduce
-from gradkit._src import stable_safe as _stable_safe
-from gradkit._src.stable_logexp import log1mexp as log1mexp
-from gradkit._src.stable_logexp import log_cosh as log_cosh
-from gradkit._src.stable_logexp import log_sub_exp as log_sub_exp
-from gradkit._src.stable_logexp import logaddexp as logaddexp
-from gradkit._src.stable_logexp import softplus_inverse as softplus_inverse
-from gradkit._src.stable_norms import hypot as hypot
-from gradkit._src.stable_norms import normalize as normalize
-from gradkit._src.stable_norms import safe_norm as safe_norm
-from gradkit._src.stable_reduce import log_softmax as log_softmax
-from gradkit._src.stable_reduce import logsumexp as logsumexp
-from gradkit._src.stable_reduce import softmax as softmax
-from gradkit._src.stable_safe import safe_arccos as safe_arccos
-from gradkit._src.stable_safe import safe_arcsin as safe_arcsin
-from gradkit._src.stable_safe import safe_arctan2 as safe_arctan2
-from gradkit._src.stable_safe import safe_div as safe_div
-from gradkit._src.stable_safe import safe_log as safe_log
-from gradkit._src.stable_safe import safe_pow as safe_pow
-from gradkit._src.stable_safe import safe_sqrt as safe_sqrt
-from gradkit._src.stable_safe import xlog1py as xlog1py
-from gradkit._src.stable_safe import xlogy as xlogy
-from gradkit._src.stable_sigmoid import log1pexp as log1pexp
-from gradkit._src.stable_sigmoid import log_sigmoid as log_sigmoid
-from gradkit._src.stable_sigmoid import sigmoid as sigmoid
-from gradkit._src.stable_sigmoid import silu as silu
-from gradkit._src.stable_sigmoid import softplus as softplus
-from gradkit._src.stable_sinc import sinc as sinc
+from gradkit._src.stable import hypot as hypot
+from gradkit._src.stable import log1mexp as log1mexp
+from gradkit._src.stable import log1pexp as log1pexp
+from gradkit._src.stable import log_cosh as log_cosh
+from gradkit._src.stable import log_sigmoid as log_sigmoid
+from gradkit._src.stable import log_softmax as log_softmax
+from gradkit._src.stable import log_sub_exp as log_sub_exp
+from gradkit._src.stable import logaddexp as logaddexp
+from gradkit._src.stable import logsumexp as logsumexp
+from gradkit._src.stable import normalize as normalize
+from gradkit._src.stable import safe_arccos as safe_arccos
+from gradkit._src.stable import safe_arcsin as safe_arcsin
+from gradkit._src.stable import safe_arctan2 as safe_arctan2
+from gradkit._src.stable import safe_div as safe_div
+from gradkit._src.stable import safe_log as safe_log
+from gradkit._src.stable import safe_norm as safe_norm
+from gradkit._src.stable import safe_pow as safe_pow
+from gradkit._src.stable import safe_sqrt as safe_sqrt
+from gradkit._src.stable import sigmoid as sigmoid
+from gradkit._src.stable import silu as silu
+from gradkit._src.stable import sinc as sinc
+from gradkit._src.stable import softmax as softmax
+from gradkit._src.stable import softplus as softplus
+from gradkit._src.stable import softplus_inverse as softplus_inverse
+from gradkit._src.stable import xlog1py as xlog1py
+from gradkit._src.stable import xlogy as xlogy
 
 __all__ = [
     "hypot",
@@ -82,13 +79,3 @@ __all__ = [
     "xlog1py",
     "xlogy",
 ]
-
-# Private named ops that gradkit/_src/library.py reads as attributes of this
-# module; not public API. Their home is gradkit/_src/stable_reduce.py,
-# stable_norms.py and stable_safe.py.
-_logsumexp_op = _stable_reduce.logsumexp_op
-_softmax_op = _stable_reduce.softmax_op
-_log_softmax_op = _stable_reduce.log_softmax_op
-_safe_norm_op = _stable_norms.safe_norm_op
-_normalize_op = _stable_norms.normalize_op
-_safe_log_op = _stable_safe.safe_log_op

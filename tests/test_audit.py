@@ -21,7 +21,7 @@ from jax import lax
 import gradkit as gk
 import gradkit.stable  # noqa: F401  (the examples' fixed versions use it)
 import gradkit.tables  # noqa: F401
-from gradkit._src.audit import audit
+from gradkit._src.audit.audit import audit
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples", "unstable_losses.py")
 
@@ -226,7 +226,7 @@ def test_no_float_input_is_an_error():
 def test_replay_matches_jax_grad_through_every_kind_of_equation():
     """The step-by-step replay does JAX's arithmetic: jit, scan, cond, fori/while, remat, custom rules, named ops."""
     from gradkit._src import compat
-    from gradkit._src.replay import Replay
+    from gradkit._src.audit.replay.replay import Replay
 
     @jax.custom_vjp
     def cube(x):

@@ -30,8 +30,10 @@ import pytest
 
 import gradkit as gk
 import gradkit.stable as st
-from gradkit._src import audit_fixes, audit_patterns, fd, library
-from gradkit._src.audit_verify import fd_check, value_check
+from gradkit._src.audit import fixes as audit_fixes, patterns as audit_patterns
+from gradkit._src.checks import fd
+from gradkit._src.rules import library
+from gradkit._src.audit.verify import fd_check, value_check
 
 F32 = np.float32
 
@@ -329,8 +331,8 @@ def _works(case, f):
 
 def _every_route(case):
     """Every shipped table that has a rule for an op of the loss, every opt-in library rule, and all unions."""
-    from gradkit._src import walk
-    from gradkit._src.dispatch import op_name
+    from gradkit._src.core import walk
+    from gradkit._src.core.dispatch import op_name
 
     ops = {op_name(e) for e, _ in walk.equations(jax.make_jaxpr(case.fn)(*case.args))}
     parts = [(n, t) for n in gk.tables.__all__ if isinstance(t := getattr(gk.tables, n), gk.RuleTable) and
@@ -499,7 +501,7 @@ def test_batched_differences_equal_one_batch(monkeypatch, x64):
 def test_a_large_input_is_checked_along_random_directions():
     w = np.random.RandomState(0).normal(size=20_000).astype(F32)
     f = lambda w: jnp.sum(jnp.tanh(w) ** 2)
-    from gradkit._src.audit_program import make_program
+    from gradkit._src.audit.program import make_program
 
     prog = make_program(f, (w,), None)
     g = np.asarray(jax.grad(f)(w))

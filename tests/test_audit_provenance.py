@@ -143,7 +143,7 @@ def test_elements_inside_a_scan_keep_their_iterations():
 
 
 def test_every_suggested_stable_function_exists():
-    from gradkit._src import audit_patterns
+    from gradkit._src.audit import patterns as audit_patterns
 
     names = {p.function for p in audit_patterns.PATTERNS}  # the rewrites audit re-runs and suggests
     missing = [n for n in sorted(names) if not callable(getattr(gk.stable, n, None))]

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import gradkit as gk
-from gradkit._src.audit_sweep import BUDGET, Sweep
+from gradkit._src.audit.sweep import BUDGET, Sweep
 
 
 def attention(scores, v, mask):

@@ -10,9 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import gradkit as gk
-from gradkit._src import audit_verify, fd
-from gradkit._src.audit_program import make_program
-from gradkit._src.audit_verify import Reference
+from gradkit._src.audit import verify as audit_verify
+from gradkit._src.checks import fd
+from gradkit._src.audit.program import make_program
+from gradkit._src.audit.verify import Reference
 
 F32 = np.float32
 

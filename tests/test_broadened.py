@@ -20,7 +20,7 @@ from hypothesis import strategies as hst
 
 import gradkit as gk
 from gradkit import tables
-from gradkit._src import broadened_rules
+from gradkit._src.rules import broadened as broadened_rules
 
 B = tables.BROADENED
 PROPERTY = settings(max_examples=8, deadline=None, derandomize=True,

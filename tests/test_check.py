@@ -10,9 +10,9 @@ from hypothesis import assume, example, given, settings
 from hypothesis import strategies as hst
 
 import gradkit as gk
-from gradkit._src.check import check_grads
-from gradkit._src.describe import fmt
-from gradkit._src.fd import select_coords
+from gradkit._src.checks.check import check_grads
+from gradkit._src.checks.describe import fmt
+from gradkit._src.checks.fd import select_coords
 
 F32_TOL = math.sqrt(float(np.finfo(np.float32).eps))  # 3.45e-4: the default atol and rtol for float32
 

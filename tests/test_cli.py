@@ -226,7 +226,7 @@ def test_files_are_modules_while_they_run(capsys, tmp_path):
 
 
 def test_demo_hint_works_from_any_directory(capsys, monkeypatch, tmp_path):
-    from gradkit import cli
+    from gradkit._src.cli import main as cli
 
     monkeypatch.chdir(tmp_path)
     assert main(["demo"]) == 0
@@ -247,7 +247,7 @@ def test_demo_hint_works_from_any_directory(capsys, monkeypatch, tmp_path):
 
 def test_rules_lists_every_table_and_library_rule(capsys):
     import gradkit.tables
-    from gradkit._src.table import RuleTable
+    from gradkit._src.core.table import RuleTable
 
     assert main(["rules", "--json"]) == 0
     cat = json.loads(capsys.readouterr().out)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import gradkit as gk
-from gradkit._src.compare import compare
+from gradkit._src.checks.compare import compare
 
 
 def plain_sin(x):

@@ -18,7 +18,7 @@ from jax import lax
 import gradkit as gk
 from meshes import make_mesh, mesh_backend, on_mesh_backend
 from gradkit._src import compat
-from gradkit._src import custom_gradient as cg_module
+from gradkit._src.function_gradients import custom_gradient as cg_module
 
 from gradkit import custom_gradient, custom_jvp
 

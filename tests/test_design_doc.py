@@ -1,84 +1,95 @@
-"""docs/design.md is the map of the code: every module under gradkit/ is named in its Layout."""
+"""docs/design.md is the map of the code: every module under gradkit/ is named in its Layout, and the
+packages under gradkit/_src/ import only down the Layout's order."""
 
+import ast
 import re
 from pathlib import Path
 
 ROOT = Path(__file__).parents[1]
+SRC = ROOT / "gradkit" / "_src"
 
 
-def _layout() -> str:
+def _block() -> str:
     text = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
-    return text[text.index("## Layout"):]
+    return text[text.index("## Layout"):].split("```")[1]
 
 
-def test_every_module_is_in_the_layout():
-    layout = _layout()
-    named = set(re.findall(r"[A-Za-z_]+\.py", layout))
-    modules = sorted((ROOT / "gradkit").rglob("*.py"))
-    assert len(modules) > 40
-    missing = [str(m.relative_to(ROOT)) for m in modules if m.name not in named]
-    assert not missing, f"docs/design.md's Layout does not name {missing}: add each with what it owns"
-
-
-def test_the_layout_names_no_module_that_is_gone():
-    files = {m.name for m in (ROOT / "gradkit").rglob("*.py")}
-    block = _layout().split("```")[1]
-    named = set(re.findall(r"\b([A-Za-z_]+\.py)\b", block))
-    gone = sorted(named - files - {"pyproject.py"})
-    assert not gone, f"docs/design.md's Layout names modules that do not exist: {gone}"
-
-
-# Known inversions of the layering (docs/design.md says which): this list may only shrink.
-KNOWN_INVERSIONS = {
-    ("table", "library"),
-    ("library", "public gradkit.stable"),
-    ("audit_patterns", "public gradkit.stable"),
-    ("audit_fixes", "public gradkit.tables"),
-}
-
-
-def _groups() -> dict[str, int]:
-    """Module stem -> its group's position in the Layout (0: compat, then the `# …` groups in order)."""
-    block = _layout().split("```")[1]
-    where, group, inside = {}, 0, False
-    for line in block.splitlines():
-        text = line.strip()
-        if text.startswith("_src/"):
-            inside = True
-        elif inside and text.startswith("#"):
-            group += 1
-        elif inside and (m := re.match(r"([A-Za-z_]+)\.py\b", text)):
-            where[m.group(1)] = group
-    return where
-
-
-def _imports(path: Path) -> list[str]:
-    """gradkit modules a file imports (anywhere in it): `_src` stems, or `public gradkit.X`."""
-    import ast
-
-    out = []
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("gradkit"):
-            parts = node.module.split(".")
-            if parts[:2] == ["gradkit", "_src"]:
-                out += [a.name for a in node.names] if len(parts) == 2 else [parts[2]]
-            else:
-                out += [f"public gradkit.{a.name}" for a in node.names] if len(parts) == 1 else [
-                    f"public gradkit.{parts[1]}"]
-        elif isinstance(node, ast.Import):
-            out += [f"public gradkit.{a.name.split('.')[1]}" for a in node.names
-                    if a.name.startswith("gradkit.") and not a.name.startswith("gradkit._src")]
+def _tree() -> dict[str, int]:
+    """Every path the Layout's tree names (relative to the repository root) -> its line number."""
+    stack: list[tuple[int, str]] = []
+    out = {}
+    for n, line in enumerate(_block().splitlines()):
+        m = re.match(r"( *)(\S+)", line)
+        if not m or "  " not in line.strip() and not line.strip().endswith("/"):
+            continue
+        indent, first = len(m.group(1)), m.group(2)
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        parent = stack[-1][1] if stack else ""
+        for name in re.findall(r"\S+\.py|\S+/", line[:indent + 28]):
+            out[parent + name] = n
+        if first.endswith("/"):
+            stack.append((indent, parent + first))
     return out
 
 
-def test_src_modules_import_only_down_the_layout():
-    groups = _groups()
-    inversions = set()
-    for path in sorted((ROOT / "gradkit" / "_src").glob("*.py")):
-        me = path.stem
-        for target in _imports(path):
-            if target.startswith("public ") or groups.get(target, -1) > groups[me]:
-                inversions.add((me, target))
-    assert inversions <= KNOWN_INVERSIONS, f"new layering inversions: {sorted(inversions - KNOWN_INVERSIONS)}"
-    # and the test itself sees the known ones (it would pass vacuously if the parser broke)
-    assert ("table", "library") in inversions and len(groups) > 40
+def test_every_module_is_in_the_layout():
+    named = _tree()
+    modules = sorted((ROOT / "gradkit").rglob("*.py"))
+    assert len(modules) > 60
+    missing = [str(m.relative_to(ROOT)) for m in modules
+               if str(m.relative_to(ROOT)) not in named and m.name != "__init__.py"]
+    assert not missing, f"docs/design.md's Layout does not name {missing}: add each with what it owns"
+    packages = sorted({str(m.parent.relative_to(ROOT)) + "/" for m in modules})
+    assert not [p for p in packages if p not in named], "a package is missing from docs/design.md's Layout"
+
+
+def test_the_layout_names_no_module_that_is_gone():
+    gone = [p for p in _tree() if p.startswith("gradkit/") and not (ROOT / p).exists()]
+    assert not gone, f"docs/design.md's Layout names modules that do not exist: {gone}"
+
+
+def _order() -> list[str]:
+    """The `_src` packages (and top-level modules) in the Layout's order: errors.py, then compat first."""
+    return [p.split("/")[2].removesuffix(".py") for p in sorted(_tree(), key=_tree().get)
+            if re.fullmatch(r"gradkit/_src/\w+(/|\.py)", p)]
+
+
+def _imports(path: Path) -> list[tuple[str, bool]]:
+    """(gradkit module imported, inside a function?) for every gradkit import in a file."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    inside = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+              for n in ast.walk(f) if n is not f}
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "gradkit":
+            mods = [node.module] if node.module != "gradkit._src" else [f"gradkit._src.{a.name}" for a in node.names]
+            out += [(m, id(node) in inside) for m in mods]
+        elif isinstance(node, ast.Import):
+            out += [(a.name, id(node) in inside) for a in node.names if a.name.split(".")[0] == "gradkit"]
+    return out
+
+
+def test_packages_import_only_down_the_layout():
+    order = _order()
+    assert order[:4] == ["errors", "compat", "core", "function_gradients"] and len(order) >= 10, order
+    bad = []
+    for path in sorted(SRC.rglob("*.py")):
+        me = path.relative_to(SRC).parts[0].removesuffix(".py")
+        for module, in_function in _imports(path):
+            parts = module.split(".")
+            where = str(path.relative_to(ROOT))
+            if parts[1:2] != ["_src"]:
+                bad.append(f"{where} imports the public {module}")
+            elif parts[2] not in order or order.index(parts[2]) > order.index(me):
+                bad.append(f"{where} imports {module}, below it")
+            elif in_function and me != "cli":  # the CLI defers JAX and gradkit for a fast `--help`
+                bad.append(f"{where} imports {module} inside a function")
+    assert not bad, "\n".join(bad)
+
+
+def test_public_modules_only_reexport():
+    for path in sorted((ROOT / "gradkit").glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        defined = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))]
+        assert not defined, f"{path.name} defines {[d.name for d in defined]}: move them under gradkit/_src"

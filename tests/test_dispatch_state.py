@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 import gradkit as gk
-from gradkit._src import named
-from gradkit._src.cache import LRU, MAXSIZE
+from gradkit._src.core import named
+from gradkit._src.core.cache import LRU, MAXSIZE
 
 # --------------------------------------------------------------------------- many named ops in one trace
 

@@ -28,8 +28,8 @@ MODULES = _modules_with_examples()
 
 
 def test_the_public_modules_are_found():
-    for name in ("gradkit.stable", "gradkit.tables", "gradkit.estimators", "gradkit._src.dispatch",
-                 "gradkit._src.custom_gradient", "gradkit._src.audit", "gradkit._src.stable_sinc"):
+    for name in ("gradkit.stable", "gradkit.tables", "gradkit.estimators", "gradkit._src.core.dispatch",
+                 "gradkit._src.function_gradients.custom_gradient", "gradkit._src.audit.audit", "gradkit._src.stable.cardinal_sine"):
         assert name in MODULES
 
 

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import gradkit as gk
 from meshes import make_mesh
-from gradkit._src import guard as guard_mod
+from gradkit._src.guard import guard as guard_mod
 
 
 def mlp_loss(params, x, y):
@@ -501,7 +501,7 @@ def test_user_errors_keep_their_type(maybe_jit):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_the_check_is_exact(maybe_jit, dtype):
-    from gradkit._src.guard_host import all_finite
+    from gradkit._src.guard.host import all_finite
 
     check = maybe_jit(lambda leaves: all_finite(leaves))
     big = jnp.full((64,), jnp.finfo(dtype).max, dtype)  # huge but finite: a plain sum would overflow
@@ -512,7 +512,7 @@ def test_the_check_is_exact(maybe_jit, dtype):
 
 
 def test_the_check_sees_an_overflowed_matmul_element():
-    from gradkit._src.guard_host import all_finite
+    from gradkit._src.guard.host import all_finite
 
     # h.T @ d overflows in one element although h and d are finite; XLA may rewrite sum(h.T @ d)
     h = jnp.zeros((4, 3), jnp.float32).at[0, 0].set(3e38)

@@ -10,7 +10,7 @@ import pytest
 from jax import lax
 
 import gradkit as gk
-from gradkit._src import named
+from gradkit._src.core import named
 
 
 @gk.op("log1pexp")

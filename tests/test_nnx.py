@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 import gradkit as gk
-from gradkit._src import nnx_state
+from gradkit._src.core import nnx_state
 
 # A rule that matches nothing in these models: the override must then equal nnx.jit bit for bit.
 UNMATCHED = gk.RuleTable({"acos": gk.vjp_rule(lambda op, g: (g,))})

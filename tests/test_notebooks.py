@@ -13,8 +13,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from gradkit._src.describe import short_path as display_file
-from gradkit._src.sourcepath import notebook_cell
+from gradkit._src.checks.describe import short_path as display_file
+from gradkit._src.checks.sourcepath import notebook_cell
 
 pytestmark = pytest.mark.slow  # a long matrix: `pytest -m slow` (CI runs it)
 

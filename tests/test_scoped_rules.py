@@ -34,7 +34,8 @@ def _sin_scaled(k):
 
 def _rule_ops(fn, *args):
     """(op, scope path) of each rule-carrying equation in fn's rewritten program, at any depth."""
-    from gradkit._src import compat, walk
+    from gradkit._src import compat
+    from gradkit._src.core import walk
 
     body = fn.rewritten_jaxpr(*args)
     return sorted((compat.rule_target(e), "/".join(s)) for e, s in walk.scoped_equations(body)

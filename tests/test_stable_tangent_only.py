@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import gradkit as gk
-from gradkit._src import numerics as k
-from gradkit._src import stable_rules
-from gradkit._src.rule import OpView, Rule
+from gradkit._src.stable import numerics as k
+from gradkit._src.rules import stable as stable_rules
+from gradkit._src.core.rule import OpView, Rule
 
 OPS = {"logistic": (jax.nn.sigmoid, k.sigmoid), "tanh": (jnp.tanh, k.tanh), "expm1": (jnp.expm1, k.expm1)}
 POINTS = [-90.0, -20.0, -5.0, -0.7, -0.6, -1e-3, -1e-30, -0.0, 0.0, 1e-30, 1e-3, 0.3, 0.625, 1.5, 5.0, 20.0, 90.0]

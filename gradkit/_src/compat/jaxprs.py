@@ -459,7 +459,7 @@ def call_equation(fn: Callable[..., Sequence[Any]], invars: Sequence[Any], outva
 
 # --------------------------------------------------------------------------- custom_gradient (closure conversion)
 #
-# Used by gradkit/_src/closure.py and custom_gradient.py only.
+# Used by gradkit/_src/function_gradients/closure.py and custom_gradient.py only.
 
 
 def detach_consts(closed: Any) -> tuple[Jaxpr, list[Any]]:

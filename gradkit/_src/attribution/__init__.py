@@ -1,0 +1,1 @@
+"""gk.attribution: explanation methods as rule tables."""

@@ -1,0 +1,1 @@
+"""The audit: gk.audit, its replay of the backward pass, and its verified fixes."""

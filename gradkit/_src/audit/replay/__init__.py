@@ -1,0 +1,1 @@
+"""The replay: a reverse-mode gradient evaluated equation by equation, with provenance."""

@@ -1,0 +1,140 @@
+"""What the replay keeps: where an equation runs, the values of a jaxpr evaluation, and births.
+
+A *birth* is an equation, pass and kind (``log``, forward, inf) at which
+non-finite elements appeared from finite ones (for an inf) or NaN-free ones
+(for a NaN). It aggregates over loop iterations; for each element it was born
+at, it knows the iterations, and it keeps the values of its first few
+occurrences so that a report can show them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from gradkit._src import compat
+from gradkit._src.audit.provenance import Label
+from gradkit._src.core.dispatch import op_name
+
+# A cotangent and its labels; None is a zero cotangent.
+Ct = tuple[Any, Label | None] | None
+
+_KEEP_OCCURRENCES = 32  # values kept per birth (a scan can repeat one for every iteration)
+
+
+@dataclasses.dataclass
+class Context:
+    """Where an equation runs: inside a scan iteration, a cond branch, a jit function."""
+
+    kind: str  # "scan" | "while" | "cond" | "jit"
+    eqn: compat.JaxprEqn
+    index: int = 0  # scan/while: the iteration; cond: the branch taken
+    size: int = 0  # scan: length; cond: number of branches; while: 0 (not known up front)
+    name: str = ""
+
+    def static(self) -> tuple[Any, ...]:
+        """What tells two places apart: the equation, and for a cond the branch (not the iteration)."""
+        return (self.kind, id(self.eqn), self.index if self.kind == "cond" else None)
+
+
+def loop_indices(ctx: Sequence[Context]) -> tuple[int, ...]:
+    return tuple(c.index for c in ctx if c.kind in ("scan", "while"))
+
+
+@dataclasses.dataclass
+class Occurrence:
+    """The values around one occurrence of a birth.
+
+    ``invals``/``outvals`` are the equation's operands and results; for a
+    backward birth ``out_cts`` are the incoming cotangents and ``in_cts`` the
+    operands' cotangents (``None`` where not differentiated). ``masks`` holds,
+    per position (output for a forward birth, operand for a backward one),
+    the elements born here.
+    """
+
+    loops: tuple[int, ...]
+    invals: list[Any]
+    outvals: list[Any]
+    out_cts: list[Any] | None = None
+    in_cts: list[Any] | None = None
+    masks: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+
+    @property
+    def iteration(self) -> int | None:
+        return self.loops[-1] if self.loops else None
+
+
+@dataclasses.dataclass
+class Birth:
+    """Where non-finite values first appeared, aggregated over loop iterations."""
+
+    key: int
+    eqn: compat.JaxprEqn
+    phase: str  # "forward" | "backward"
+    kind: str  # "nan" | "inf"
+    ctx: tuple[Context, ...]  # of the first occurrence
+    occurrences: list[Occurrence] = dataclasses.field(default_factory=list)
+    iterations: list[int] = dataclasses.field(default_factory=list)
+    # (position, flat element) -> the innermost loop iterations it was born in
+    elements: dict[tuple[int, int], list[int | None]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        """The op's table name (a gradkit rule's wrapper reports the op it overrides)."""
+        return compat.rule_target(self.eqn) or op_name(self.eqn)
+
+    @property
+    def is_rule(self) -> bool:
+        """The equation is a gradkit rule applied by a table (its backward is the rule)."""
+        return compat.rule_target(self.eqn) is not None
+
+    def occurrence(self, ctx: Sequence[Context], values: dict[str, Any]) -> Occurrence | None:
+        """The stored occurrence for ``ctx`` (made from ``values`` if new); ``None`` past the keep limit."""
+        loops = loop_indices(ctx)
+        for occ in self.occurrences:
+            if occ.loops == loops:
+                return occ
+        if len(self.occurrences) >= _KEEP_OCCURRENCES:
+            return None
+        occ = Occurrence(loops, **values)
+        self.occurrences.append(occ)
+        return occ
+
+
+@dataclasses.dataclass
+class Frame:
+    """Forward values of one jaxpr evaluation, kept for the backward pass."""
+
+    jaxpr: Any
+    env: dict[Any, Any]
+    labels: dict[Any, Label | None]
+    active: dict[Any, bool]
+    ctx: tuple[Context, ...]
+    subs: dict[int, Any] = dataclasses.field(default_factory=dict)  # per equation: what its handler kept
+
+    def read(self, atom: Any) -> Any:
+        return compat.read_atom(self.env, atom)
+
+    def label(self, atom: Any) -> Label | None:
+        return None if compat.is_literal(atom) else self.labels.get(atom)
+
+    def is_active(self, atom: Any) -> bool:
+        return not compat.is_literal(atom) and self.active.get(atom, False)
+
+    def outputs(self) -> list[Any]:
+        return [self.read(a) for a in self.jaxpr.outvars]
+
+    def output_labels(self) -> list[Label | None]:
+        return [self.label(a) for a in self.jaxpr.outvars]
+
+
+class Handler(Protocol):
+    """How the replay runs one kind of equation forward and backward (see :mod:`replay_control`)."""
+
+    def forward(self, rp: Any, frame: Frame, idx: int, eqn: compat.JaxprEqn, invals: list[Any], act_in: list[bool],
+                labels: list[Label | None]) -> tuple[list[Any], list[Label | None]]: ...
+
+    def backward(self, rp: Any, frame: Frame, idx: int, eqn: compat.JaxprEqn, out_cts: list[Ct]) -> list[Ct]: ...

@@ -1,0 +1,1 @@
+"""Gradient checks: gk.check_grads, gk.compare, finite differences and report text."""

@@ -1,0 +1,638 @@
+"""The ``gradkit`` command behind :mod:`gradkit.cli`: argument parsing and the subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import inspect
+import json
+import os
+import re
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from gradkit._src.cli.inputs import SPEC_HELP, UsageError, materialize, parse_spec
+
+__all__ = ["SPEC_HELP", "UsageError", "build_parser", "main", "parse_spec", "rule_catalog"]
+
+EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
+
+
+# --------------------------------------------------------------------------- loading the user's file
+
+
+def _load(path: str) -> Any:
+    if not os.path.exists(path):
+        raise UsageError(f"no such file: {path}")
+    if not path.endswith(".py") or os.path.isdir(path):
+        raise UsageError(f"{path} is not a Python file (expected FILE.py or FILE.py:FUNC)")
+    name = _module_name(path)
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise UsageError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    # Registered before it runs, as `import` does: dataclasses, typing.get_type_hints and pickle look the
+    # module up in sys.modules while the file executes (a @dataclass under `from __future__ import
+    # annotations` fails without it).
+    sys.modules[name] = module
+    folder = os.path.dirname(os.path.abspath(path))
+    sys.path.insert(0, folder)
+    try:
+        spec.loader.exec_module(module)
+    except SystemExit:
+        sys.modules.pop(name, None)
+        raise UsageError(f"{path} called sys.exit() while being imported; guard its script part with "
+                         "`if __name__ == '__main__':`") from None
+    except Exception as e:
+        sys.modules.pop(name, None)
+        line = _user_line(e, path)
+        raise UsageError(f"error while importing {path}{line}: {type(e).__name__}: {_first_line(str(e))}") from None
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.path.remove(folder)
+    return module
+
+
+def _module_name(path: str) -> str:
+    """A module name for the file that no other loaded module uses (two model.py files may be audited)."""
+    base = "_gradkit_target_" + re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
+    name, k = base, 1
+    while name in sys.modules:
+        k += 1
+        name = f"{base}_{k}"
+    return name
+
+
+def _user_line(e: BaseException, path: str) -> str:
+    tb = e.__traceback__
+    line = ""
+    while tb is not None:
+        if os.path.abspath(tb.tb_frame.f_code.co_filename) == os.path.abspath(path):
+            line = f":{tb.tb_lineno}"
+        tb = tb.tb_next
+    return line
+
+
+def _first_line(msg: str) -> str:
+    lines = [ln.strip() for ln in msg.strip().splitlines() if ln.strip()]
+    return (lines[0] if lines else "")[:300]
+
+
+def _declared(module: Any, path: str) -> dict[str, Any]:
+    decl = getattr(module, "GRADKIT_INPUTS", None)
+    if callable(decl):
+        try:
+            decl = decl()
+        except Exception as e:
+            raise UsageError(f"{path}: GRADKIT_INPUTS() raised {type(e).__name__}: {_first_line(str(e))}") from None
+    if decl is None:
+        decl = {}
+    if not isinstance(decl, dict):
+        raise UsageError(f"{path}: GRADKIT_INPUTS must be a dict from function name to a tuple of inputs "
+                         f"(or a function returning one), got {type(decl).__name__}")
+    out = dict(decl)
+    for name, obj in vars(module).items():
+        if callable(obj) and hasattr(obj, "gradkit_inputs") and name not in out:
+            out[name] = obj.gradkit_inputs
+    return out
+
+
+def _targets(args: argparse.Namespace, progress: _Progress) -> list[tuple[str, Callable[..., Any], tuple[Any, ...]]]:
+    """(label, function, inputs) for every requested target."""
+    import numpy as np
+
+    rng = np.random.RandomState(args.seed)
+    plan: list[tuple[str, Any, str | None]] = []
+    for target in args.targets:
+        path, _, func = target.partition(":") if not re.match(r"^[A-Za-z]:\\", target) else (target, "", "")
+        if ":" in func:
+            raise UsageError(f"cannot read target {target!r}: expected FILE.py or FILE.py:FUNC")
+        plan.append((target, path, func or None))
+    if args.arg and args.args_from:
+        raise UsageError("give the inputs either with --arg (one array per parameter) or with --args-from "
+                         "(a function returning them all), not both")
+    if args.arg and (len(plan) != 1 or plan[0][2] is None):
+        raise UsageError("--arg gives the inputs of one function: name it as FILE.py:FUNC (one target)")
+    if args.args_from and (len(plan) != 1 or plan[0][2] is None):
+        raise UsageError("--args-from gives the inputs of one function: name it as FILE.py:FUNC (one target)")
+    builder = _builder_target(args.args_from, plan[0][1]) if args.args_from else None
+    for path in [p for _, p, _ in plan] + ([builder[0]] if builder else []):
+        if not os.path.exists(path):  # fail fast on missing files before importing anything heavy
+            raise UsageError(f"no such file: {path}")
+    out = []
+    modules: dict[str, Any] = {}
+
+    def load(path: str) -> Any:  # each file once, whether it holds targets, the input builder or both
+        key = os.path.realpath(path)
+        if key not in modules:  # on a terminal only: a usage error after it stays one line in a log
+            progress.step(f"loading {path}…", tty_only=True)
+            modules[key] = _load(path)
+        return modules[key]
+
+    for _target, path, func in plan:
+        module = load(path)
+        declared = _declared(module, path)
+        names = [func] if func else list(declared)
+        if not names:
+            raise UsageError(f"{path} declares no inputs to audit: name a function (gradkit audit {path}:FUNC "
+                             "--arg SPEC …) or declare GRADKIT_INPUTS = {'func': (x, ...)} in the file")
+        for name in names:
+            fn = getattr(module, name, None)
+            if fn is None or not callable(fn):
+                funcs = _functions(module)
+                hint = f" (functions: {', '.join(funcs)})" if funcs else ""
+                raise UsageError(f"{path} has no function {name!r}{hint}")
+            if args.arg:
+                inputs = tuple(parse_spec(s, rng) for s in args.arg)
+                _check_arity(fn, len(inputs), name, "--arg given")
+            elif builder is not None:
+                inputs = _built_inputs(load(builder[0]), *builder, args.seed, rng)
+                _check_arity(fn, len(inputs), name, f"inputs returned by {builder[0]}:{builder[1]}")
+            elif name in declared:
+                decl = declared[name]
+                if callable(decl):
+                    decl = decl()
+                if not isinstance(decl, (tuple, list)):
+                    decl = (decl,)
+                inputs = tuple(materialize(v, rng, f"{path}: GRADKIT_INPUTS[{name!r}]") for v in decl)
+            else:
+                params = _params(fn)
+                raise UsageError(f"no inputs for {name}: give --arg SPEC once per parameter ({', '.join(params)}), "
+                                 f"e.g. --arg 'f32[128]:uniform(-1,1)', or --args-from FILE.py:FUNC (a function "
+                                 f"returning them), or declare GRADKIT_INPUTS in {path}")
+            out.append((f"{path}:{name}", fn, inputs))
+    return out
+
+
+def _params(fn: Any) -> list[str]:
+    try:
+        return [p.name for p in inspect.signature(fn).parameters.values()
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
+    except (TypeError, ValueError):
+        return []
+
+
+def _check_arity(fn: Any, n: int, name: str, given: str) -> None:
+    try:
+        sig = inspect.signature(fn)
+        sig.bind(*range(n))
+    except TypeError:
+        params = _params(fn)
+        raise UsageError(f"{name} takes {len(params)} input(s) ({', '.join(params)}) but {n} {given}") from None
+    except ValueError:
+        pass
+
+
+def _builder_target(spec: str, target_path: str) -> tuple[str, str]:
+    """``--args-from FILE.py:FUNC`` (or ``FUNC``, a function in the audited file) as (path, function name)."""
+    path, sep, func = spec.rpartition(":")
+    if not sep:  # a bare name: a function in the target's own file
+        path, func = (target_path, spec) if not spec.endswith(".py") else (spec, "")
+    if not func.isidentifier():
+        raise UsageError(f"cannot read --args-from {spec!r}: expected FILE.py:FUNC, the function in FILE.py that "
+                         "returns the tuple of inputs (or FUNC alone, for one in the audited file)")
+    if not path.endswith(".py"):
+        raise UsageError(f"--args-from {spec!r}: {path} is not a Python file (expected FILE.py:FUNC)")
+    return path, func
+
+
+def _built_inputs(module: Any, path: str, func: str, seed: int, rng: Any) -> tuple[Any, ...]:
+    """The inputs ``--args-from FILE.py:FUNC`` builds: ``FUNC()``, or ``FUNC(key)`` with ``jax.random.key(seed)``."""
+    where = f"--args-from {path}:{func}"
+    fn = getattr(module, func, None)
+    if fn is None or not callable(fn):
+        funcs = _functions(module)
+        hint = f" (functions: {', '.join(funcs)})" if funcs else ""
+        raise UsageError(f"{where}: {path} has no function {func!r}{hint}")
+    try:
+        sig: inspect.Signature | None = inspect.signature(fn)
+    except (TypeError, ValueError):
+        sig = None
+    required = [] if sig is None else [
+        p for p in sig.parameters.values() if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if len(required) > 1 or any(p.kind == p.KEYWORD_ONLY for p in required):
+        raise UsageError(f"{where}: {func} must take no parameter or one, a PRNG key (gradkit calls {func}() or "
+                         f"{func}(jax.random.key(seed))), but it requires {', '.join(p.name for p in required)}")
+    try:
+        if required:
+            import jax
+
+            result = fn(jax.random.key(seed))
+        else:
+            result = fn()
+    except Exception as e:
+        line = _user_line(e, path)
+        raise UsageError(f"{where}: {func}() raised {type(e).__name__}: {_first_line(str(e))}"
+                         + (f" (at {path}{line})" if line else "") + "; fix it, or run it alone to see the "
+                         "traceback") from None
+    if not isinstance(result, (tuple, list)):
+        raise UsageError(f"{where}: {func} must return a tuple (or list) of the audited function's inputs, one per "
+                         f"parameter, got {type(result).__name__}; for a function of one input, return (value,)")
+    return tuple(materialize(v, rng, f"{where}: input {k}") for k, v in enumerate(result))
+
+
+def _functions(module: Any) -> list[str]:
+    return sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_")
+                  and not n.isupper() and getattr(v, "__module__", None) == module.__name__)
+
+
+def _table(spec: str | None) -> tuple[Any, str]:
+    if spec is None:
+        return None, ""
+    from gradkit._src.core.table import RuleTable
+
+    if spec.endswith(".toml"):
+        if not os.path.exists(spec):
+            raise UsageError(f"no such table file: {spec}")
+        from gradkit._src.errors import GradkitError
+
+        try:
+            return RuleTable.from_toml(spec), spec
+        except GradkitError as e:
+            raise UsageError(str(e).removeprefix("[gradkit] ")) from None
+    tables = _library_tables()
+    key = spec.removeprefix("gradkit.tables.").removeprefix("tables.")
+    if key not in tables:
+        known = ", ".join(tables)
+        raise UsageError(f"unknown table {spec!r}: give a name from gradkit.tables ({known}) or a .toml file")
+    return tables[key], f"gradkit.tables.{key}"
+
+
+def _library_tables() -> dict[str, Any]:
+    from gradkit._src.core.table import RuleTable
+    from gradkit._src.rules import tables
+
+    return {n: v for n, v in vars(tables).items() if isinstance(v, RuleTable) and not n.startswith("_")}
+
+
+# --------------------------------------------------------------------------- commands
+
+
+class _Progress:
+    """Progress on stderr, so stdout stays the report: one rewritten line on a terminal, else a line per step.
+
+    Piped or redirected runs (CI logs, ``| tee``) still show what is running; ``--quiet`` silences it.
+    """
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+        self.tty = sys.stderr.isatty()
+
+    def step(self, message: str, *, tty_only: bool = False) -> None:
+        if self.quiet or (tty_only and not self.tty):
+            return
+        if self.tty:
+            sys.stderr.write(f"\r[gradkit] {message}\033[K")
+        else:
+            sys.stderr.write(f"[gradkit] {message}\n")
+        sys.stderr.flush()
+
+    def clear(self) -> None:
+        if self.tty and not self.quiet:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+
+    def sweep(self, label: str) -> Callable[[int, int, str], None] | None:
+        """The ``progress`` callback of ``audit(sweep=True)``: every probe on a terminal, else each quarter."""
+        if self.quiet:
+            return None
+        state = {"last": -1}
+
+        def show(done: int, total: int, what: str) -> None:
+            if self.tty:
+                sys.stderr.write(f"\r[gradkit] sweep {label}: {done}/{total} probes {what[:50]}\033[K")
+                sys.stderr.flush()
+                return
+            step = 4 * done // max(total, 1)
+            if step != state["last"]:
+                state["last"] = step
+                sys.stderr.write(f"[gradkit] sweep {label}: {done}/{total} probes\n")
+                sys.stderr.flush()
+        return show
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    progress = _Progress(args.quiet)
+    try:
+        targets = _targets(args, progress)
+        table, table_name = _table(args.table)
+    finally:  # a usage error then starts its own line on a terminal
+        progress.clear()
+    from gradkit._src.audit.audit import audit
+    from gradkit._src.errors import GradkitError
+
+    reports: list[Any] = []
+    errors: list[tuple[str, str]] = []
+    for k, (label, fn, inputs) in enumerate(targets):
+        path, name = label.rsplit(":", 1)
+        progress.step(f"auditing {name} ({k + 1}/{len(targets)})…")
+        try:
+            rep = audit(fn, *inputs, table=table, fix=not args.no_fix, sweep=args.sweep,
+                        progress=progress.sweep(name) if args.sweep else None)
+            reports.append((label, rep))
+        except GradkitError as e:
+            msg = _one_line(str(e).removeprefix("[gradkit] "))
+            # the user's exception it replaced, if any, still knows the line in the file that raised it
+            line = _user_line(e.__context__, path) if e.__context__ is not None else ""
+            errors.append((label, msg + (f" (raised at {path}{line})" if line else "")))
+        except Exception as e:  # the user's function failed on these inputs
+            line = _user_line(e, path)
+            errors.append((label, f"{name} failed on the given inputs: {type(e).__name__}: {_first_line(str(e))}"
+                                  + (f" (raised at {path}{line})" if line else "")))
+    progress.clear()
+    findings = sum(1 for _, r in reports if not r.ok)
+    if args.json:
+        doc = {"gradkit_version": _version(), "table": table_name or None,
+               "ok": not findings and not errors,
+               "functions": [dict(r.to_dict(), target=label) for label, r in reports]
+               + [{"target": label, "error": msg} for label, msg in errors]}
+        print(json.dumps(doc, indent=2))
+    elif reports:  # a function that could not be audited has no report: its one line goes to stderr below
+        files = sorted({label.rsplit(":", 1)[0] for label, _, _ in targets})
+        print(f"gradkit audit: {', '.join(files)}" + (f" (table {table_name})" if table_name else "") + "\n")
+        for _, r in reports:
+            print(r.text(verbose=args.verbose) + "\n")
+        n = len(reports) + len(errors)
+        summary = f"{n} function{'s' if n != 1 else ''} audited: {n - findings - len(errors)} ok"
+        partial = sum(1 for _, r in reports if not r.ok and r.finite and not r.sweep)
+        if findings - partial:
+            summary += f", {findings - partial} with non-finite gradients"
+        if partial:
+            summary += f", {partial} with a partial sweep (inputs not varied)"
+        if errors:
+            summary += f", {len(errors)} could not be audited (see stderr)"
+        print(summary)
+    if errors:  # exit 2: one [gradkit] line each on stderr, after the report, as for any usage error
+        sys.stdout.flush()
+        source = ("the --arg inputs" if args.arg else f"the inputs from --args-from {args.args_from}"
+                  if args.args_from else "the inputs declared in the file (GRADKIT_INPUTS)")
+        for label, msg in errors:
+            name = label.rsplit(":", 1)[1]
+            sys.stderr.write(f"[gradkit] {label} could not be audited: {msg.rstrip('. ')}; check that {source} "
+                             f"fit {name}'s parameters (dtype, shape, structure)\n")
+        sys.stderr.flush()
+        return EXIT_USAGE
+    return EXIT_FINDINGS if findings else EXIT_OK
+
+
+def _one_line(msg: str) -> str:
+    return " ".join(ln.strip() for ln in msg.strip().splitlines() if ln.strip())
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("gradkit")
+    except metadata.PackageNotFoundError:  # pragma: no cover (run from a source tree, not installed)
+        return "unknown"
+
+
+def rule_catalog() -> dict[str, Any]:
+    """The ready tables (op, rule kind, what it fixes) and the named rules a config can use."""
+    from gradkit._src.rules import tables
+
+    out: dict[str, Any] = {"tables": {}, "library": []}
+    for tname, tbl in _library_tables().items():
+        desc = tables.describe(tbl)
+        rows = []
+        for op in sorted(tbl):
+            kind, _, what = desc.get(op, "").partition(": ")
+            rows.append({"op": op, "rule": kind or tbl[op].name, "mode": tbl[op].mode, "fixes": what or kind})
+        out["tables"][f"gradkit.tables.{tname}"] = rows
+    for name, lr in tables.library().items():
+        out["library"].append({"rule": name, "signature": lr.signature(), "doc": lr.doc.strip()})
+    return out
+
+
+def cmd_rules(args: argparse.Namespace) -> int:
+    cat = rule_catalog()
+    if args.json:
+        print(json.dumps(cat, indent=2))
+        return EXIT_OK
+    for tname, rows in cat["tables"].items():
+        print(f"{tname}  ({len(rows)} rules; apply with gk.override(fn, {tname}))")
+        width = max(len(r["op"]) for r in rows)
+        for r in rows:
+            print(f"  {r['op']:<{width}}  {r['mode']}  {r['rule']:<16} {r['fixes']}")
+        print()
+    if cat["library"]:
+        print("Named rules for gk.RuleTable.from_dict / from_toml (e.g. {\"log\": {\"rule\": \"clamped_log\", "
+              "\"eps\": 1e-30}}):")
+        width = max(len(r["signature"]) for r in cat["library"])
+        for r in cat["library"]:
+            print(f"  {r['signature']:<{width}}  {r['doc'].splitlines()[0] if r['doc'] else ''}")
+        print()
+    print("See which rules fire on your code: gradkit audit FILE.py --table SAFE")
+    return EXIT_OK
+
+
+_DEMO_SOURCE = """\
+import jax
+import jax.numpy as jnp
+
+
+def softplus(x):
+    return jnp.log1p(jnp.exp(x))
+
+
+def guarded_log(x):
+    return jnp.where(x > 0, jnp.log(x), 0.0)
+
+
+def norm(x):
+    return jnp.linalg.norm(x)
+
+
+def angle(p):
+    return jnp.arctan2(p[1], p[0])
+
+
+def log_partition(scores):
+    return jax.nn.logsumexp(scores)
+
+
+def loss(logits):
+    return jnp.mean(jnp.log1p(jnp.exp(logits)))
+"""
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    import tempfile
+
+    import jax
+    import jax.numpy as jnp
+
+    from gradkit._src import stable as st
+    from gradkit._src.audit.audit import audit
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "gradkit_demo.py")
+        with open(path, "w") as f:
+            f.write(_DEMO_SOURCE)
+        m = _load(path)
+        cases = [
+            ("log(1 + exp(x)) at x = 100", m.softplus, st.log1pexp, jnp.float32(100.0), "gk.stable.log1pexp"),
+            ("where(x > 0, log(x), 0) at x = 0", m.guarded_log, lambda x: jnp.where(x > 0, st.safe_log(x), 0.0),
+             jnp.float32(0.0), "gk.stable.safe_log"),
+            ("jnp.linalg.norm(x) at x = 0", m.norm, st.safe_norm, jnp.zeros(3, jnp.float32),
+             "gk.stable.safe_norm"),
+            ("arctan2(y, x) at the origin", m.angle, lambda p: st.safe_arctan2(p[1], p[0]),
+             jnp.zeros(2, jnp.float32), "gk.stable.safe_arctan2"),
+            ("logsumexp of an all -inf row", m.log_partition, st.logsumexp, jnp.full(3, -jnp.inf, jnp.float32),
+             "gk.stable.logsumexp"),
+        ]
+        print("gradkit demo: the classic NaN gradients, naive JAX vs gradkit\n")
+        print(f"  {'case':<34} {'jax.grad, naive':<20} {'with gradkit':<22} using")
+        for title, naive, fixed, x, how in cases:
+            g0 = _show(jax.grad(lambda v, f=naive: jnp.sum(f(v)))(x))
+            g1 = _show(jax.grad(lambda v, f=fixed: jnp.sum(f(v)))(x))
+            print(f"  {title:<34} {g0:<20} {g1:<22} {how}")
+        print("\nWhere is a NaN born? gk.audit replays the backward pass equation by equation and tries the fix:\n")
+        cwd = os.getcwd()
+        os.chdir(tmp)  # so the report names gradkit_demo.py, not a temporary path
+        try:
+            report = audit(m.loss, jnp.array([0.0, 1.0, 100.0], dtype=jnp.float32))
+            print(report)
+        finally:
+            os.chdir(cwd)
+    example = _example_path()
+    if example is not None:
+        audit_cmd, what = f"gradkit audit {example}", "real-looking losses that break, and their fixes"
+    else:  # installed from a wheel: the examples folder is in the source repository only
+        audit_cmd = "gradkit audit model.py:loss --arg 'f32[128]:normal(0,1)'"
+        what = "your own loss, at inputs you give"
+    width = max(len(audit_cmd), len("gradkit rules")) + 3
+    print(f"\nNext: {audit_cmd:<{width}}{what}")
+    print(f"      {'gradkit rules':<{width}}the rule tables and what each rule fixes")
+    return EXIT_OK
+
+
+def _example_path() -> str | None:
+    """The shipped example losses as a path that works from the current directory, if this is a source install.
+
+    Relative when the example is below the current directory (``examples/unstable_losses.py`` in the
+    repository), else absolute; quoted for the shell.
+    """
+    import shlex
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.path.join(root, "examples", "unstable_losses.py")
+    if not os.path.isfile(path):
+        return None
+    with contextlib.suppress(ValueError):  # ValueError: another drive (Windows)
+        rel = os.path.relpath(path)
+        if not rel.startswith(os.pardir):
+            path = rel
+    return shlex.quote(path)
+
+
+def _show(g: Any) -> str:
+    import numpy as np
+
+    a = np.asarray(g).reshape(-1)
+    return ("[" + ", ".join(f"{v:.3g}" for v in a[:4]) + (", …" if a.size > 4 else "") + "]") if a.size > 1 \
+        else f"{float(a[0]):.3g}"
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+AUDIT_EPILOG = """\
+inputs, one of three ways:
+  --arg SPEC, once per parameter of FUNC (one array each; SPEC as above):
+    gradkit audit model.py:loss --arg "f32[128]:normal(0,1)" --arg "bool[128]"
+  --args-from FILE.py:MAKE, a function that returns the tuple of FUNC's
+  inputs, pytrees allowed (a model's parameters). gradkit calls MAKE() when
+  it takes no parameter, else MAKE(key), key = jax.random.key(--seed):
+    def make_inputs(key):              # in model.py
+        return model.init(key, x), x, labels
+    gradkit audit model.py:loss --args-from model.py:make_inputs
+  GRADKIT_INPUTS in the file: a dict from function name to its tuple of
+  inputs, or a function without parameters returning that dict;
+  `gradkit audit FILE.py` audits every function it names:
+    GRADKIT_INPUTS = {"loss": (params, x, labels),
+                      "nll": ("f32[16]:normal(0,1)", "f32[16]:zeros")}
+  There each input is an array, a number, a pytree, or a SPEC string.
+
+exit codes:
+  0  every gradient is finite
+  1  a finding remains (a non-finite gradient)
+  2  a usage error: bad arguments or inputs, a file that cannot be read, a
+     function that fails on its inputs. One line on stderr per problem,
+     starting with [gradkit], says which and how to fix it.
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # one line, exit 2, no usage dump
+        raise UsageError(f"{message} (see gradkit {self.prog.split()[-1] if ' ' in self.prog else ''} --help)"
+                         .replace("gradkit gradkit", "gradkit").replace("  --help", " --help"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="gradkit", description="Gradient diagnostics for JAX: audit, rules, demo.")
+    p.add_argument("--version", action="version", version=f"gradkit {_version()}")
+    sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="{audit,rules,demo}")
+    a = sub.add_parser("audit", help="find where NaN/inf gradients are born in functions of a file",
+                       description="Audit functions in FILE.py: where non-finite gradients are born, and what "
+                                   "fixes them.",
+                       epilog=AUDIT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a.add_argument("targets", nargs="+", metavar="FILE.py[:FUNC]",
+                   help="a file (audits the functions its GRADKIT_INPUTS names) or one function in it")
+    a.add_argument("--arg", action="append", default=[], metavar="SPEC",
+                   help=f"an input of FUNC, once per positional parameter: {SPEC_HELP}")
+    a.add_argument("--args-from", metavar="FILE.py:MAKE",
+                   help="FUNC's inputs from a function: MAKE() or MAKE(key) returns the tuple of inputs, one per "
+                        "parameter, pytrees allowed (a model's parameters); key is jax.random.key(--seed). "
+                        "MAKE alone names a function in FUNC's own file")
+    a.add_argument("--json", action="store_true", help="print a JSON report instead of text")
+    a.add_argument("--sweep", action="store_true",
+                   help="also probe every array input: edge values for floats (0, ±1e-30, ±100, ±1e30, …), mask "
+                        "patterns for bools (all False, a row all False, …), index extremes for integers; at most "
+                        "64 probes, listed per input (an input left unvaried makes the verdict SWEEP PARTIAL)")
+    a.add_argument("-v", "--verbose", action="store_true",
+                   help="list every input leaf and non-finite element (by default many leaves, such as a "
+                        "model's parameters, are grouped by module path)")
+    a.add_argument("--table", metavar="NAME|FILE.toml",
+                   help="audit with this rule table applied (a gradkit.tables name such as SAFE, or a TOML "
+                        "file) and report which rules fired")
+    a.add_argument("--seed", type=int, default=0,
+                   help="seed for random spec values and for the key given to --args-from (default 0)")
+    a.add_argument("--no-fix", action="store_true", help="do not re-run the suggested fixes")
+    a.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress on stderr (by default it shows what is running, also when piped)")
+    a.set_defaults(run=cmd_audit)
+    r = sub.add_parser("rules", help="the rule catalog: names, what each fixes, which table holds it")
+    r.add_argument("--json", action="store_true", help="print the catalog as JSON")
+    r.set_defaults(run=cmd_rules)
+    d = sub.add_parser("demo", help="a short tour of the classic NaN gradients, naive vs gradkit")
+    d.set_defaults(run=cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the ``gradkit`` command; returns the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if not getattr(args, "command", None):
+            parser.print_help()
+            return EXIT_USAGE
+        return int(args.run(args))
+    except UsageError as e:
+        sys.stdout.flush()
+        sys.stderr.write(f"[gradkit] {e}\n")
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        sys.stderr.write("[gradkit] interrupted\n")
+        return 130
+    except Exception as e:
+        if os.environ.get("GRADKIT_DEBUG"):
+            raise
+        sys.stderr.write(f"[gradkit] internal error: {type(e).__name__}: {_first_line(str(e))} "
+                         "(set GRADKIT_DEBUG=1 for the traceback, and please report it)\n")
+        return EXIT_USAGE
+

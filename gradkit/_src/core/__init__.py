@@ -1,0 +1,1 @@
+"""The core: rules, tables, the walker, the splicer and the dispatcher."""

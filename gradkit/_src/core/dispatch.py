@@ -1,0 +1,431 @@
+"""The dispatcher: ``override(fn, table)`` traces once, splices the rules in, runs.
+
+The data path, per input signature (array types, pytree structure, static
+values, JAX config):
+
+1. ``fn`` is traced once, as ``jax.jit(fn)`` would trace it: one ``jit``
+   equation whose body is ``fn``'s program.
+2. The body is rewritten by splicing (:mod:`gradkit._src.core.splice`): each
+   equation whose name is in the table, at any depth (jit, scan, while,
+   cond, remat, shard_map, custom_linear_solve, ...), is replaced by one
+   ``custom_vjp``/``custom_jvp`` equation carrying the rule, traced once per
+   distinct signature. Everything else is shared, not re-traced.
+3. The cached program is bound as that single ``jit`` equation: inline in an
+   enclosing trace (jit, grad, vmap, ...), compiled for an eager call.
+
+So ``override(fn, table)`` with no matching rule *is* ``jax.jit(fn)``: same
+values, same gradients in every transform. JAX internals are reached only
+through :mod:`gradkit._src.compat`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import threading
+import types
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar, overload
+
+import jax
+
+from gradkit._src import compat
+from gradkit._src.core import args as _args
+from gradkit._src.core import named, nnx_state, walk
+from gradkit._src.core.cache import LRU
+from gradkit._src.core.rule import Rule
+from gradkit._src.core.splice import CacheInfo, Replacements, Splicer, op_name
+from gradkit._src.core.table import RuleTable
+from gradkit._src.errors import GradkitError, near_misses
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+__all__ = ["Overridden", "op_name", "override"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    """One input signature's program."""
+
+    outer: Any  # the one-equation jaxpr that calls the rewritten body (its consts: values fn closes over)
+    body: Any  # the rewritten program (the jit equation's body)
+    out_tree: Any
+    matched: Mapping[str, str]  # op name -> source line of its first match
+    # The named ops the program calls, held for as long as the program is:
+    # their rules read their signatures when it is differentiated.
+    named_ops: Mapping[str, named.Signature] = dataclasses.field(default_factory=dict)
+
+    def user_custom_vjp(self) -> bool:
+        """Whether the program has custom_vjp functions of its own (not gradkit's rules)."""
+        return any(e.primitive.name in compat.CUSTOM_VJP_PRIMITIVES and compat.rule_target(e) is None
+                   for e, _ in walk.equations(self.body, enter=lambda e: not compat.is_opaque(e)))
+
+    def call(self, *dyn: Any) -> list[Any]:
+        return compat.eval_jaxpr(self.outer, dyn)
+
+    @functools.cached_property
+    def run(self) -> Callable[..., Any]:
+        return jax.jit(self.call)
+
+
+_ARRAY = compat.ArrayImpl
+_is_array = _args.is_array
+
+
+class Overridden:
+    """A function with a rule table applied; made by :func:`override`."""
+
+    def __init__(self, fn: Callable[..., Any], table: RuleTable, strict: bool) -> None:
+        # updated=(): copying fn.__dict__ would copy an inner Overridden's table
+        # and caches over this one's (override(override(f, t1), t2)).
+        functools.update_wrapper(self, fn, updated=())
+        self._fn = fn
+        self._table = table
+        self._strict = strict
+        self._cache: LRU[Any, _Entry] = LRU(f"override({_fname(fn)})")
+        self._lock = threading.Lock()
+        self._replacements = Replacements()
+        self.trace_count = 0
+
+        def eager(*a: Any, **k: Any) -> Any:
+            return self._call(*jax.tree_util.tree_flatten((a, k)))
+
+        eager.__name__ = eager.__qualname__ = _fname(fn).rsplit(".", 1)[-1]
+        self._eager = jax.jit(eager)
+
+    @property
+    def table(self) -> RuleTable:
+        return self._table
+
+    def cache_info(self) -> CacheInfo:
+        """How often the function and the rule replacements were traced, and reused.
+
+        Examples:
+          >>> import jax, jax.numpy as jnp, gradkit as gk
+          >>> def blocks(x):
+          ...     for _ in range(48):
+          ...         x = jnp.sqrt(x + 1.0)
+          ...     return x
+          >>> f = gk.override(blocks, gk.tables.SAFE)
+          >>> _ = jax.grad(f)(1.0)
+          >>> f.cache_info()
+          CacheInfo(traces=1, replacements=1, reuses=47)
+        """
+        r = self._replacements
+        return CacheInfo(self.trace_count, r.traced, r.reused)
+
+    def clear_cache(self) -> None:
+        """Drops every traced program and rule replacement of this function (``jax.clear_caches()`` does too).
+
+        The caches are bounded (the 2048 most recently used signatures, JAX's
+        own bound); this frees them now, e.g. after a sweep over many shapes.
+
+        Examples:
+          >>> import jax.numpy as jnp, gradkit as gk
+          >>> f = gk.override(jnp.sqrt, gk.tables.SAFE)
+          >>> _ = f(jnp.float32(4.0))
+          >>> f.clear_cache()
+          >>> f.cache_size()
+          0
+        """
+        self._cache.cache_clear()
+        self._replacements.clear()
+        self._eager.clear_cache()  # type: ignore[attr-defined]  # jax.jit objects have it; the stub omits it
+        nnx_route = getattr(self, "_gradkit_nnx", None)  # the NNX state route (nnx_state.call), if used
+        if nnx_route is not None:
+            nnx_route._inner.clear_cache()
+
+    def cache_size(self) -> int:
+        """How many input signatures have a traced program in the cache now (at most 2048)."""
+        return len(self._cache)
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        """As a method: ``@gk.override(table)`` in a class body binds ``self`` like a plain function.
+
+        ``self`` is an argument like any other: a pytree (an ``eqx.Module``,
+        a registered dataclass) contributes its arrays, any other object is
+        static (keyed by its hash), as under ``jax.jit(f)(obj, ...)``.
+        """
+        return self if instance is None else types.MethodType(self, instance)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if nnx_state.has_graph_nodes(args, kwargs):  # Flax NNX modules: their state changes are kept, as nnx.jit
+            return nnx_state.call(self, args, kwargs)
+        if args and not kwargs:  # the common eager call: concrete arrays, no pytree to flatten
+            for a in args:
+                if type(a) is not _ARRAY:
+                    break
+            else:
+                return self._eager(*args)
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+        if leaves and all(isinstance(x, jax.Array) and not isinstance(x, compat.Tracer) for x in leaves):
+            # Eager call with arrays only: jax.jit's C++ fast path; its trace
+            # lands in _call below, once per signature.
+            return self._eager(*args, **kwargs)
+        return self._call(leaves, treedef)
+
+    def _call(self, leaves: list[Any], treedef: Any) -> Any:
+        # The hot path of every call under a trace: one key (args.call_key) per call.
+        split, dyn = _args.partition_leaves(leaves, treedef, _is_array)
+        key = self._key(split, dyn)
+        entry = self._cache.get(key)
+        cacheable = True
+        if entry is None:
+            entry = self._build(split, dyn, count=True)
+            cacheable = not any(isinstance(c, compat.Tracer) for c in compat.jaxpr_parts(entry.outer)[1])
+            if cacheable:  # else fn closes over an enclosing trace's values: used for this call only
+                entry = self._cache.setdefault(key, entry)
+        # Under an enclosing trace (jit, grad, vmap, ...) the one equation joins
+        # it; an eager call runs it compiled.
+        traced = any(isinstance(x, compat.Tracer) for x in dyn)
+        try:
+            out = entry.call(*dyn) if traced or not cacheable else entry.run(*dyn)
+        except TypeError as e:
+            self._explain_forward_mode(entry, e)
+            raise
+        return jax.tree_util.tree_unflatten(entry.out_tree, out)
+
+    def _key(self, split: _args.Split, dyn: Sequence[Any]) -> Any:
+        try:
+            return _args.call_key(split.key, dyn)
+        except TypeError:
+            bad = next((x for x in split.statics if x is not None and not _hashable(x)), None)
+            raise GradkitError(
+                f"override({_fname(self._fn)}): argument value of type {type(bad).__name__} is not an array "
+                "and not hashable. Non-array arguments are static (part of the cache key), so they must be "
+                "hashable: pass arrays as jax/numpy arrays, and containers as tuples or dicts.") from None
+
+    def _explain_forward_mode(self, entry: _Entry, e: TypeError) -> None:
+        """Forward mode reached a VJP rule: say which ops; JAX's own error keeps its type otherwise."""
+        if not compat.is_forward_mode_of_custom_vjp_error(e):
+            return
+        vjp_ops = sorted(n for n in entry.matched if self._table[n].mode == "vjp")
+        if not vjp_ops:
+            return  # the program's own custom_vjp: JAX's error as JAX raises it
+        where = ", ".join(f"'{n}' at {entry.matched[n]}" for n in vjp_ops)
+        msg = (f"override({_fname(self._fn)}): forward-mode differentiation (jax.jvp, jacfwd, hessian's outer "
+               f"jacfwd, linearize) reached an op with a VJP rule ({where}). gk.vjp_rule defines reverse mode "
+               "only: use jax.grad / jax.vjp / jacrev, or give these ops a gk.jvp_rule (which serves both modes).")
+        if entry.user_custom_vjp():  # it may be the program's own custom_vjp: keep JAX's error, add the hint
+            compat.add_note(e, "[gradkit] or: " + msg.split(": ", 1)[1])
+            return
+        raise GradkitError(msg) from e
+
+    def _flat_fn(self, split: _args.Split, out_box: list[Any], count: bool) -> Callable[..., Any]:
+        def flat(*dyn: Any) -> list[Any]:
+            if count:
+                with self._lock:
+                    self.trace_count += 1
+            args, kwargs = split.combine(dyn)
+            out_leaves, out_box[0] = jax.tree_util.tree_flatten(self._fn(*args, **kwargs))
+            return out_leaves
+        # JAX's messages about this trace name the user's function, not `flat`
+        # (the signature stays flat's own: `dyn[i]`, explained by _trace's note).
+        flat.__name__ = flat.__qualname__ = _fname(self._fn).rsplit(".", 1)[-1]
+        vars(flat).update(__wrapped__=self._fn, __signature__=inspect.signature(_dyn_signature))
+        return flat
+
+    def _build(self, split: _args.Split, dyn: Sequence[Any], count: bool) -> _Entry:
+        """Traces ``fn`` for this signature and splices the table's rules into its program."""
+        out_box: list[Any] = [None]
+        try:
+            with named.pinning() as named_ops:
+                outer = compat.trace_jit(self._flat_fn(split, out_box, count), dyn)
+        except compat.CONCRETIZATION_ERRORS as e:
+            # JAX's error type is kept (code catching it keeps working); the note
+            # says why a function that runs eagerly fails under override.
+            names = _dyn_names(self._fn, split)
+            compat.add_note(e, (
+                f"[gradkit] gk.override traces {_fname(self._fn)} once per input signature, like jax.jit: its "
+                f"array arguments ({', '.join(f'dyn[{i}] is {n}' for i, n in enumerate(names))}) are abstract "
+                "there, so Python `if`/`while`/`int()`/NumPy on them fail even though the plain function runs "
+                "eagerly. Use jnp.where / lax.cond / lax.while_loop, or pass such values as Python numbers "
+                "or other non-array values, which override treats as static."))
+            raise
+        (call,) = compat.jaxpr_parts(outer)[0].eqns
+        body = call.params["jaxpr"]
+        if self._strict:
+            _check_strict(self._fn, self._table, {op_name(e) for e, _ in walk.equations(body)})
+            if self._table.scoped_ops:
+                _check_strict_scopes(self._fn, self._table, body)
+        splicer = Splicer(self._table, self._replacements)
+        new_body = walk.Rewrite(splicer, scoped=splicer.scoped)(body)
+        if new_body is not body:
+            outer = compat.replace_eqns(outer, [call.replace(params={**call.params, "jaxpr": new_body})])
+        return _Entry(outer, new_body, out_box[0], dict(splicer.matched), named_ops)
+
+    def rewritten_jaxpr(self, *args: Any, **kwargs: Any) -> Any:
+        """The program a call with these arguments runs, after the rewrite (for inspection).
+
+        Exactly what the call would run: non-array arguments (Python numbers
+        included) are static, weak types are kept, ``strict`` is honoured; it
+        does not count as a trace (``cache_info().traces``).
+
+        Examples:
+          >>> import jax.numpy as jnp, gradkit as gk
+          >>> f = gk.override(jnp.sqrt, {"sqrt": gk.vjp_rule(lambda op, g: (g,))})
+          >>> "custom_vjp_call" in str(f.rewritten_jaxpr(jnp.float32(1.0)))
+          True
+        """
+        split, dyn = _args.partition((args, kwargs), _is_array)
+        entry = self._cache.get(self._key(split, dyn)) or self._build(split, dyn, count=False)
+        return entry.body
+
+    def __repr__(self) -> str:
+        return f"<gradkit.override of {_fname(self._fn)} with {len(self._table)} rules>"
+
+
+def _dyn_signature(*dyn: Any) -> None:  # the signature JAX sees for the flat traced function
+    pass
+
+
+def _dyn_names(fn: Any, split: _args.Split) -> list[str]:
+    """The user's names for the array leaves ``dyn[i]``: ``x``, ``params['w']``, ``batch[0]``."""
+    names: dict[int, str] = {}
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    try:  # best effort: only for an error message (custom pytree nodes may reject int leaves)
+        args, kwargs = jax.tree_util.tree_unflatten(split.treedef, list(range(split.num_leaves)))
+        for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
+            head, rest = path[0].idx, path[1:]
+            if head == 0:
+                pos = rest[0].idx
+                usable = pos < len(params) and params[pos].kind in (
+                    inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                base = params[pos].name if usable else f"args[{pos}]"
+            else:
+                base = str(rest[0].key)
+            names[leaf] = base + jax.tree_util.keystr(tuple(rest[1:]))
+    except Exception:
+        pass
+    return [names.get(i, f"argument leaf {i}") for i in split.dyn_pos]
+
+
+def _hashable(x: Any) -> bool:
+    try:
+        hash(x)
+    except TypeError:
+        return False
+    return True
+
+
+def _fname(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+
+
+def _check_strict(fn: Any, table: RuleTable, present: set[str]) -> None:
+    unmatched = sorted(n for n in table.names() - present if "::" not in n)  # scoped: _check_strict_scopes
+    if not unmatched:
+        return
+    lines = []
+    for name in unmatched:
+        close = near_misses(name, present)
+        hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
+        lines.append(f"  '{name}'{hint}")
+    raise GradkitError(
+        f"override({_fname(fn)}, strict=True): {len(unmatched)} rule(s) matched no op in the traced program:\n"
+        + "\n".join(lines)
+        + f"\nOps in the program: {', '.join(sorted(present))}. Fix the names, or drop strict=True.")
+
+
+def _check_strict_scopes(fn: Any, table: RuleTable, body: Any) -> None:
+    """Raises for a scoped entry whose scope holds no equation of its op, naming the scopes the program has.
+
+    A scope that holds no equation at all is one line (with its near misses
+    among the program's scopes); a scope that exists but lacks the op is one
+    line per entry, with the scopes where the op does occur.
+    """
+    where: dict[str, set[tuple[str, ...]]] = {}  # op name -> the scopes it occurs at
+    for eqn, scopes in walk.scoped_equations(body):
+        where.setdefault(op_name(eqn), set()).add(scopes)
+    stacks = {s for ss in where.values() for s in ss}
+    paths = sorted({"/".join(s[:i]) for s in stacks for i in range(1, len(s) + 1)})
+    empty: dict[str, list[str]] = {}  # scope text -> ops of its entries, for scopes that hold no equation
+    lines = []
+    for key, sc, op in table.scoped_entries():
+        if not any(sc.matches(s) for s in stacks):
+            empty.setdefault(sc.text, []).append(op)
+            continue
+        if any(sc.matches(s) for s in where.get(op, ())):
+            continue
+        at = sorted({"/".join(s) or "(top level)" for s in where.get(op, ())})
+        found = (f"it occurs in {', '.join(at[:6])}{', ...' if len(at) > 6 else ''}" if at
+                 else "not in the program" + _did_you_mean(near_misses(op, where)))
+        lines.append(f"  '{key}': no '{op}' inside scope '{sc.text}' ({found})")
+    for text, ops in empty.items():
+        parts = {p for s in stacks for p in s}
+        close = near_misses(text.lstrip("/"), set(paths) | parts)
+        shown = ", ".join(ops[:6]) + (", ..." if len(ops) > 6 else "")
+        lines.insert(0, f"  scope '{text}' (rules for {shown}) matches no equation{_did_you_mean(close)}")
+    if not lines:
+        return
+    raise GradkitError(
+        f"override({_fname(fn)}, strict=True): scoped rules matched no op in the traced program:\n"
+        + "\n".join(lines)
+        + f"\nScopes in the program: {', '.join(paths[:20]) or '(none: no jax.named_scope or module names)'}"
+        + (", ..." if len(paths) > 20 else "")
+        + ". A scope's '/'-separated components match a contiguous run of an equation's name stack "
+        "(jax.named_scope, Flax module paths), '*' within one component; fix the scope, or drop strict=True.")
+
+
+def _did_you_mean(close: Sequence[str]) -> str:
+    return f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+
+
+def _as_table(table: Any) -> RuleTable:
+    if isinstance(table, RuleTable):
+        return table
+    if isinstance(table, Mapping):
+        return RuleTable(table)
+    raise GradkitError(
+        f"override expects a RuleTable or a dict of rules as its table, got {type(table).__name__}. "
+        "Write gk.override(fn, gk.RuleTable({'sqrt': rule})).")
+
+
+@overload
+def override(fn: F, table: RuleTable | Mapping[str, Rule], *, strict: bool = False) -> F: ...
+@overload
+def override(fn: RuleTable | Mapping[str, Rule], table: None = None, *,
+             strict: bool = False) -> Callable[[F], F]: ...
+
+
+def override(fn, table=None, *, strict=False):
+    """Applies a rule table to every matching op in ``fn``, at any depth.
+
+    The result computes exactly what ``fn`` computes; only gradients change,
+    where an op's name (primitive, :func:`op` name, or a custom_jvp/custom_vjp
+    function's name) is in ``table``. Ops inside ``jit``, ``scan``,
+    ``fori_loop``, ``while_loop``, ``cond``, ``switch``, ``checkpoint`` and
+    ``shard_map`` are matched too. ``fn`` is traced once per input signature
+    (array shapes and dtypes, pytree structure; non-array arguments are static)
+    and runs compiled, like ``jax.jit``.
+
+    Args:
+      fn: a pure function of arrays and pytrees of arrays.
+      table: a :class:`RuleTable` or a dict from op name to :class:`Rule`.
+      strict: raise if a rule in the table matches no op (guards against typos).
+
+    Returns:
+      A function with ``fn``'s signature. Also usable as ``@override(table)``.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, gradkit as gk
+      >>> safe = gk.vjp_rule(lambda op, g: (jnp.where(g == 0, 0.0, g * 0.5 / op.outputs[0]),))
+      >>> @gk.override({"sqrt": safe})
+      ... def f(x):
+      ...     return jnp.where(x > 0, jnp.sqrt(x), 0.0)
+      >>> float(jax.grad(f)(0.0)), float(jax.grad(f)(4.0))
+      (0.0, 0.25)
+    """
+    if table is None:
+        if callable(fn) and not isinstance(fn, Mapping):
+            raise GradkitError(
+                f"override({_fname(fn)}) needs a rule table: gk.override(fn, table) or @gk.override(table).")
+        tbl = _as_table(fn)
+        return lambda f: override(f, tbl, strict=strict)
+    if not callable(fn):
+        raise GradkitError(f"override expects a function as its first argument, got {type(fn).__name__}.")
+    return Overridden(fn, _as_table(table), strict)

@@ -1,0 +1,254 @@
+"""Flax NNX modules among an overridden function's arguments: their state changes are kept, as ``nnx.jit`` keeps them.
+
+``override(fn, table)`` traces ``fn`` like ``jax.jit``. A Flax NNX module is
+a JAX pytree (flax >= 0.11), so a plain trace would take it apart into
+arrays, run ``fn`` on a copy, and drop every change ``fn`` makes to it: the
+running statistics of ``BatchNorm``, the counter of a ``Dropout``'s RNG
+stream (the mask then repeats every step). ``nnx.jit`` exists for this; here
+an overridden function does what ``nnx.jit`` does, with the public
+:func:`flax.nnx.update_context` protocol (four steps)::
+
+    outside (1) split the caller's graph nodes ─► pure arguments (graphdef static, leaves arrays)
+    inside  (2) merge them into fresh nodes, run fn, (3) split the argument nodes and the output
+    outside (4) merge: the caller's own nodes are updated in place (Variables, attributes,
+                structure), nodes fn returned are the caller's objects where they alias them
+
+The inside runs in a second :class:`~gradkit._src.core.dispatch.Overridden`, over
+the pure function, with the same table and ``strict``: it is traced once per
+signature (the graphdefs are static parts of the key, as in ``nnx.jit``),
+its rules spliced in, and compiled or inlined exactly as any overridden call.
+
+Flax is optional: nothing here imports it. :func:`has_graph_nodes` looks in
+``sys.modules``; when ``flax.nnx`` was never imported, an overridden call pays
+for one dictionary look-up.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable, Mapping
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from gradkit._src import compat
+from gradkit._src.errors import GradkitError
+
+if TYPE_CHECKING:
+    from gradkit._src.core.dispatch import Overridden
+
+__all__ = ["call", "has_graph_nodes"]
+
+_NNX = "flax.nnx"
+_ATTR = "_gradkit_nnx"  # where an Overridden keeps its _NNXCall, made on its first call with NNX nodes
+_CREATE = threading.Lock()
+
+
+class _Split:
+    """One graph node, split: its graphdef (static, part of the trace key) and its leaves (arrays)."""
+
+    __slots__ = ("graphdef", "leaves")
+
+    def __init__(self, graphdef: Any, leaves: list[Any]) -> None:
+        self.graphdef = graphdef
+        self.leaves = leaves
+
+
+jax.tree_util.register_pytree_node(
+    _Split,
+    lambda s: (s.leaves, s.graphdef),
+    lambda graphdef, leaves: _Split(graphdef, list(leaves)),
+)
+
+
+def _is_split(x: Any) -> bool:
+    return type(x) is _Split
+
+
+# Values that are never graph nodes and hold none: the common arguments skip the pytree walk.
+_PLAIN: frozenset[type] = frozenset({compat.ArrayImpl, int, float, bool, complex, str, type(None), _Split})
+
+
+def _graph_node_test(nnx: ModuleType) -> Callable[[Any], bool]:
+    """``flax.nnx``'s own test for a graph node: a Module, Rngs, Optimizer, any ``nnx.Pytree``, a Variable."""
+    return nnx.graph.is_graph_node
+
+
+def has_graph_nodes(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+    """Whether a call's arguments hold Flax NNX graph nodes (modules, variables, ``nnx.Rngs``), at any depth.
+
+    False at once when ``flax.nnx`` was never imported: flax is never
+    imported here.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> has_graph_nodes((jnp.ones(3), 2.0), {})
+      False
+    """
+    nnx = sys.modules.get(_NNX)
+    if nnx is None:
+        return False
+    is_node = _graph_node_test(nnx)
+    # Builtin containers are walked here (a parameter dict costs a type check per leaf); other
+    # pytrees, which may hold a module among their children, by jax.tree_util.
+    todo = [*args, *kwargs.values()]
+    while todo:
+        x = todo.pop()
+        t = type(x)
+        if t in _PLAIN:
+            continue
+        if t is dict:
+            todo.extend(x.values())
+        elif t is tuple or t is list:
+            todo.extend(x)
+        elif is_node(x):
+            return True
+        elif not isinstance(x, (compat.Tracer, np.ndarray, np.generic)):
+            is_leaf = lambda y: _is_split(y) or is_node(y)
+            if any(is_node(leaf) for leaf in jax.tree_util.tree_leaves(x, is_leaf=is_leaf)):
+                return True
+    return False
+
+
+def call(overridden: Overridden, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+    """Calls ``overridden`` on arguments holding NNX graph nodes, keeping what its function changes in them.
+
+    What ``nnx.jit`` does: the caller's modules (and variables, ``nnx.Rngs``)
+    end the call with the state the function left them in: ``BatchNorm``
+    statistics, advanced RNG counters, new attributes. Inside
+    ``nnx.value_and_grad``, ``nnx.jit``, ``nnx.scan``... the nodes are that
+    transform's own and it propagates the changes further, as for any function.
+    """
+    runner = getattr(overridden, _ATTR, None)
+    if runner is None:
+        with _CREATE:
+            runner = getattr(overridden, _ATTR, None)
+            if runner is None:
+                runner = _NNXCall(overridden)
+                setattr(overridden, _ATTR, runner)
+    return runner(args, kwargs)
+
+
+class _NNXCall:
+    """The NNX path of one :class:`Overridden`: split, the pure function overridden, merge back."""
+
+    def __init__(self, overridden: Overridden) -> None:
+        nnx = sys.modules[_NNX]
+        if not all(hasattr(nnx, n) for n in ("update_context", "split_context", "merge_context", "SplitContext")) \
+                or not hasattr(nnx.SplitContext, "flatten"):
+            version = getattr(sys.modules.get("flax"), "__version__", "?")
+            raise GradkitError(
+                f"override({_fname(overridden)}): its arguments hold Flax NNX modules, whose state changes "
+                "(BatchNorm statistics, RNG counters) gradkit keeps with flax.nnx's update_context API, which this "
+                f"flax ({version}) lacks. Upgrade flax (>= 0.11), or pass the state explicitly: graphdef, state = "
+                "nnx.split(model) outside, nnx.merge(graphdef, state) inside, and return nnx.state(model).")
+        self._nnx = nnx
+        self._outer = overridden
+        self._fn = overridden._fn
+        self._is_node = _graph_node_test(nnx)
+
+        def pure(*pure_args: Any, **pure_kwargs: Any) -> tuple[list[_Split] | None, Any]:
+            return self._inside(pure_args, pure_kwargs)
+
+        name = _fname(overridden)
+        pure.__name__, pure.__qualname__ = name.rsplit(".", 1)[-1], name
+        pure.__doc__ = getattr(self._fn, "__doc__", None)
+        # JAX's and gradkit's messages about the trace name the user's function and its parameters.
+        vars(pure).update(__wrapped__=self._fn)
+        # a second Overridden over the pure function, with the same table
+        self._inner: Overridden = type(overridden)(pure, overridden.table, overridden._strict)
+        # One table, one cache of rule replacements: cache_info() of the function the user holds counts them.
+        self._inner._replacements = overridden._replacements
+
+    # --- (1) and (4): outside, in the caller's trace
+
+    def __call__(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+        nnx = self._nnx
+        before = self._inner.trace_count
+        nodes: list[Any] = []
+
+        def split(node: Any) -> _Split:
+            nodes.append(node)
+            return _Split(*ctx.flatten(node, with_paths=False))
+
+        with nnx.update_context(self):
+            with nnx.split_context(self) as ctx:
+                pure_args, pure_kwargs = self._map_nodes(split, (args, dict(kwargs)))
+            nodes_out, out = self._inner(*pure_args, **pure_kwargs)
+            if self._inner.trace_count != before:  # the function the user holds counts these traces
+                self._outer.trace_count += self._inner.trace_count - before
+            if nodes_out is not None or any(map(_is_split, jax.tree_util.tree_leaves(out, is_leaf=_is_split))):
+                self._check_writable(nodes)
+            with nnx.merge_context(self, False) as mctx:
+                _, out = _merge_all(mctx, (nodes_out, out))
+        return out
+
+    def _check_writable(self, nodes: list[Any]) -> None:
+        """Refuses, before anything is written, when a Variable of the caller's nodes cannot be updated here.
+
+        Flax checks each Variable as it writes it, after the node holding it
+        was emptied for the update: a refusal there would leave the caller's
+        module without its attributes. ``_can_update`` is the test Flax's own
+        transforms make before they extract a graph (``flax.nnx.extract``).
+        """
+        for _, x in self._nnx.iter_graph(nodes):
+            if isinstance(x, self._nnx.Variable) and not getattr(x, "_can_update", True):
+                raise GradkitError(_trace_level_message(self._outer, x))
+
+    # --- (2) and (3): inside, while the second Overridden traces
+
+    def _inside(self, pure_args: tuple[Any, ...], pure_kwargs: dict[str, Any]) -> tuple[list[_Split] | None, Any]:
+        nnx = self._nnx
+        with nnx.merge_context(self, True) as ctx:
+            args, kwargs = _merge_all(ctx, (pure_args, pure_kwargs))
+        nodes = [x for x in jax.tree_util.tree_leaves((args, kwargs), is_leaf=self._is_node) if self._is_node(x)]
+        before = self._snapshot(nodes)
+        out = self._fn(*args, **kwargs)
+        changed = not _same(before, self._snapshot(nodes))
+        with nnx.split_context(self) as sctx:
+            split = lambda node: _Split(*sctx.flatten(node, with_paths=False))
+            # Unchanged argument nodes are not written back (decided once per signature, at trace time):
+            # a read-only module keeps working where writing would fail, e.g. one closed over by a jax.grad
+            # function, whose Variables belong to the trace outside it.
+            return [split(n) for n in nodes] if changed else None, self._map_nodes(split, out)
+
+    def _snapshot(self, nodes: list[Any]) -> tuple[Any, list[Any]]:
+        """The argument nodes' graphdef (structure, static attributes) and leaves: did ``fn`` change them?"""
+        with self._nnx.split_context() as ctx:  # no tag: no part in the update protocol
+            graphdef, leaves = ctx.flatten(nodes, with_paths=False)
+        return graphdef, leaves
+
+    def _map_nodes(self, f: Callable[[Any], Any], tree: Any) -> Any:
+        """``tree`` with each graph node ``n`` replaced by ``f(n)`` (nodes are not entered)."""
+        is_node = self._is_node
+        return jax.tree_util.tree_map(lambda x: f(x) if is_node(x) else x, tree, is_leaf=is_node)
+
+
+def _same(a: tuple[Any, list[Any]], b: tuple[Any, list[Any]]) -> bool:
+    """Same graphdef, and the very same leaf objects (an untouched Variable keeps its value object)."""
+    return a[0] == b[0] and len(a[1]) == len(b[1]) and all(x is y for x, y in zip(a[1], b[1]))
+
+
+def _merge_all(ctx: Any, tree: Any) -> Any:
+    """``tree`` with each :class:`_Split` merged back into a graph node, in order, in one merge context."""
+    return jax.tree_util.tree_map(
+        lambda x: ctx.unflatten(x.graphdef, x.leaves) if _is_split(x) else x, tree, is_leaf=_is_split)
+
+
+def _trace_level_message(overridden: Overridden, variable: Any) -> str:
+    return (
+        f"override({_fname(overridden)}): the Flax NNX state it changed cannot be written back: a "
+        f"{type(variable).__name__} of a module passed to it was created outside the JAX transform this call runs "
+        "in (e.g. a model closed over by a jax.jit or jax.grad function), and Flax allows no update from another "
+        "trace level. gradkit keeps NNX state changes as nnx.jit does, and refuses rather than drop them; nothing "
+        "was changed. Pass the module through the transforms as an argument (nnx.jit / nnx.grad / "
+        "nnx.value_and_grad, which carry NNX state, instead of jax.jit / jax.grad), or call the overridden "
+        "function outside them.")
+
+
+def _fname(overridden: Any) -> str:
+    fn = getattr(overridden, "_fn", overridden)
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)

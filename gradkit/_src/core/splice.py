@@ -1,0 +1,352 @@
+"""The rewrite: each matched equation is replaced by one equation that carries the rule.
+
+A matched equation ``y = p[params] x`` becomes ``y = custom_vjp_call[...] x``
+(VJP rule) or ``y = custom_jvp_call[...] x`` (JVP rule), whose primal is the
+equation itself, so the forward pass is unchanged. The replacement is traced
+once per *signature* — rule, op name, primitive, params, input types, literal
+inputs, source line — and reused with its variables swapped for every
+equation of that signature: 48 identical transformer blocks cost one trace.
+Everything else in the program is shared, not re-traced
+(:class:`gradkit._src.core.walk.Rewrite`).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Sequence
+from typing import Any, NamedTuple, cast
+
+import jax
+import numpy as np
+from jax.custom_derivatives import SymbolicZero
+
+from gradkit._src import compat
+from gradkit._src.compat import JaxprEqn
+from gradkit._src.core import named, validate
+from gradkit._src.core.cache import LRU
+from gradkit._src.core.rule import OpView, Rule, freeze_params
+from gradkit._src.core.table import RuleTable
+from gradkit._src.errors import GradkitError
+
+
+def op_name(eqn: JaxprEqn) -> str:
+    """The name a table entry must have to match ``eqn`` (see :func:`compat.eqn_name`)."""
+    name = compat.eqn_name(eqn)
+    if name.startswith(compat.NAMED_OP_PREFIX):
+        inst = named.lookup(name)
+        return inst.name if inst is not None else name.split(":", 2)[-1]
+    return name
+
+
+class CacheInfo(NamedTuple):
+    """Counters of an overridden function's caches (see ``Overridden.cache_info``).
+
+    Attributes:
+      traces: times the user's function was traced (once per input signature).
+      replacements: replacement equations traced (once per distinct matched signature).
+      reuses: matched equations that reused a replacement traced before.
+    """
+
+    traces: int
+    replacements: int
+    reuses: int
+
+
+def _params_key(params: Any) -> Any:
+    """A hashable key of an equation's params, or ``None`` if one is unhashable."""
+    try:
+        key = tuple(sorted(params.items()))
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _literal_key(atom: Any) -> Any:
+    v = np.asarray(atom.val)
+    return (v.dtype.str, v.shape, v.tobytes())
+
+
+class Replacements:
+    """Replacement equations by signature; shared by every trace of one overridden function."""
+
+    def __init__(self) -> None:
+        self._cache: LRU[Any, JaxprEqn] = LRU("rule replacements")
+        self._lock = threading.Lock()
+        self.traced = 0
+        self.reused = 0
+
+    def clear(self) -> None:
+        self._cache.cache_clear()
+
+    def splice(self, rule: Rule, name: str, eqn: JaxprEqn) -> JaxprEqn:
+        """The equation that replaces ``eqn`` (same variables) and carries ``rule``."""
+        dyn = [i for i, a in enumerate(eqn.invars) if not compat.is_literal(a)]
+        params = _params_key(eqn.params)
+        key = None
+        if params is not None:
+            key = (rule, name, eqn.primitive, params, eqn.ctx, compat.source_line(eqn),
+                   tuple(eqn.invars[i].aval for i in dyn),
+                   tuple((i, _literal_key(a)) for i, a in enumerate(eqn.invars) if compat.is_literal(a)))
+        template = self._cache.get(key) if key is not None else None
+        if template is None:
+            template = _replacement(rule, name, eqn, dyn)
+            with self._lock:
+                self.traced += 1
+            if key is not None:
+                self._cache.setdefault(key, template)
+        else:
+            with self._lock:
+                self.reused += 1
+        return template.replace(invars=[eqn.invars[i] for i in dyn], outvars=list(eqn.outvars),
+                                source_info=eqn.source_info, ctx=eqn.ctx)
+
+
+def _traced_captures(fn: Any) -> list[str]:
+    """Names of the values ``fn`` closes over (cells, defaults, ``partial`` arguments) that hold a tracer."""
+    found: list[str] = []
+    seen: set[int] = set()
+
+    def visit(f: Any, depth: int) -> None:
+        if depth > 3 or id(f) in seen:
+            return
+        seen.add(id(f))
+        if isinstance(f, functools.partial):
+            for i, v in enumerate((*f.args, *f.keywords.values())):
+                check(f"argument {i} of functools.partial({getattr(f.func, '__name__', f.func)!r})", v, depth)
+            visit(f.func, depth + 1)
+            return
+        code = getattr(f, "__code__", None)
+        for var, cell in zip(getattr(code, "co_freevars", ()), getattr(f, "__closure__", None) or ()):
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            check(f"`{var}`", value, depth)
+        for i, v in enumerate(getattr(f, "__defaults__", None) or ()):
+            check(f"default argument {i}", v, depth)
+
+    def check(label: str, value: Any, depth: int) -> None:
+        if callable(value) and not isinstance(value, compat.Tracer):
+            visit(value, depth + 1)
+            return
+        try:
+            leaves = jax.tree_util.tree_leaves(value)
+        except Exception:  # not a pytree JAX can flatten: not a traced value
+            return
+        if any(isinstance(x, compat.Tracer) for x in leaves):
+            found.append(label)
+
+    visit(fn, 0)
+    return found
+
+
+def _closure_error(rule: Rule, name: str, eqn: JaxprEqn, what: str) -> GradkitError:
+    return GradkitError(
+        f"rule {rule.name} for op '{name}' at {compat.source_line(eqn)} closes over a traced value ({what}): "
+        "a value computed inside a jax.jit / grad / vmap trace, such as a scale computed in the training step. "
+        "A table rule is compiled apart from that trace, so it cannot read it. Pass the value in instead: "
+        "make it an input of the op (wrap the computation in gk.op(name) with the value as a positional "
+        "argument and read op.inputs[i] in the rule), or write the function with gk.custom_gradient, "
+        "whose grad_fn may close over traced values; a constant (Python or NumPy number) may be closed over.")
+
+
+def _replacement(rule: Rule, name: str, eqn: JaxprEqn, dyn: list[int]) -> JaxprEqn:
+    avals = [eqn.invars[i].aval for i in dyn]
+    captured = _traced_captures(rule.fn)
+    if captured:
+        raise _closure_error(rule, name, eqn, ", ".join(captured))
+
+    def fn(*xs: Any) -> list[Any]:
+        return apply_rule(rule, eqn, name, xs)
+
+    with compat.source_of(eqn), eqn.ctx.manager:
+        closed = compat.trace_avals(fn, avals, compat.rule_wrapper_name(name))
+        if any(isinstance(c, compat.Tracer) for c in compat.jaxpr_parts(closed)[1]):
+            raise _closure_error(rule, name, eqn, "reached through another function or object")
+        single = compat.single_equation(closed)
+        if single is None:  # more than one equation (or consts): wrap them in one jit equation
+            single = compat.single_equation(compat.trace_avals(jax.jit(fn), avals, compat.rule_wrapper_name(name)))
+    if single is None:
+        raise GradkitError(
+            f"internal: the rule {rule.name} for op '{name}' at {compat.source_line(eqn)} did not trace to one "
+            "equation; please report this with the program that triggered it.")
+    return single
+
+
+class Splicer:
+    """``replace`` for :class:`gradkit._src.core.walk.Rewrite`: matched equations -> their replacement."""
+
+    def __init__(self, table: RuleTable, replacements: Replacements) -> None:
+        self.table = table
+        self.replacements = replacements
+        self.matched: dict[str, str] = {}  # table key (op name, or "<scope>::<op>") -> source line of its first match
+        self._scoped_ops = table.scoped_ops
+
+    @property
+    def scoped(self) -> bool:
+        """Whether the table has scoped entries: the walk must pass each equation's enclosing scopes."""
+        return bool(self._scoped_ops)
+
+    def __call__(self, eqn: JaxprEqn, outer: tuple[str, ...] = ()) -> list[JaxprEqn] | None:
+        if not self.table:
+            return None
+        name = op_name(eqn)
+        if name in self._scoped_ops:  # the equation's whole scopes: the enclosing equations' first
+            hit = self.table.rule_for(name, outer + compat.name_scopes(eqn), lambda: compat.source_line(eqn))
+            if hit is None:
+                return None
+            key, rule = hit
+        else:
+            key, rule = name, self.table.get(name)
+            if rule is None:
+                return None
+        if key not in self.matched:
+            self.matched[key] = compat.source_line(eqn)
+        # A library rule may know that, on this equation, it is JAX's own derivative bit for bit (SAFE's
+        # product by a finite nonzero constant): the equation stays as it is, and costs nothing more.
+        keeps = getattr(rule.fn, "keeps_jax_derivative", None)
+        if keeps is not None and name == eqn.primitive.name and rule.key[:1] == ("gradkit",) and keeps(eqn):
+            return None
+        return [self.replacements.splice(rule, name, eqn)]
+
+
+# --------------------------------------------------------------------------- rules as custom_vjp / custom_jvp
+
+
+def _view(eqn: JaxprEqn, name: str, inst: Any, invals: Sequence[Any], outs: Sequence[Any]) -> OpView:
+    """The OpView a rule sees (a named op's ``inst`` rebuilds its arguments and outputs)."""
+    source = compat.source_line(eqn)
+    if inst is not None:
+        out = inst.outputs(list(outs))
+        outputs = tuple(out) if isinstance(out, tuple) else (out,)
+        return OpView(name, inst.args(list(invals)), outputs, freeze_params(inst.kwargs), source)
+    return OpView(name, tuple(invals), tuple(outs), freeze_params(eqn.params), source)
+
+
+def _per_input(inst: Any, per_jit_input: Sequence[Any]) -> Any:
+    """Tangents as the rule sees them: per op input (a named op's static leaves get ``None``)."""
+    return inst.split.scatter(per_jit_input) if inst is not None else tuple(per_jit_input)
+
+
+def _from_rule(inst: Any, per_leaf: list[Any]) -> list[Any]:
+    """One value per leaf of ``op.inputs`` -> one per jit input (a named op's static leaves dropped)."""
+    return inst.dynamic(per_leaf) if inst is not None else per_leaf
+
+
+def _structured(inst: Any, flat: Sequence[Any]) -> Any:
+    """Flat per-output values in the shape the rule sees (bare value for one output)."""
+    if inst is not None:
+        return inst.outputs(list(flat))
+    return flat[0] if len(flat) == 1 else tuple(flat)
+
+
+def apply_rule(rule: Rule, eqn: JaxprEqn, name: str, dyn_inputs: Sequence[Any]) -> list[Any]:
+    """``eqn`` applied to ``dyn_inputs`` (its non-literal inputs) inside a custom_vjp/custom_jvp carrying ``rule``."""
+    # Literal inputs are constants of the program: closed over, not
+    # differentiated; the rule's cotangent for them is dropped. The closures
+    # below outlive this trace (JAX keeps the custom_vjp's bwd and the
+    # custom_jvp's rule with the program), so they hold no tracer.
+    dyn_pos = [i for i, a in enumerate(eqn.invars) if not compat.is_literal(a)]
+    # Resolved once, here: the closures below keep the named op's signature alive.
+    jit_name = eqn.params.get("name", "") if compat.is_jit(eqn) else ""
+    inst = named.require(jit_name, compat.source_line(eqn)) if jit_name.startswith(compat.NAMED_OP_PREFIX) else None
+    literals = [cast(Any, a).val if compat.is_literal(a) else None for a in eqn.invars]
+
+    def full(dyn: Sequence[Any]) -> list[Any]:
+        vals = list(literals)
+        for i, x in zip(dyn_pos, dyn):
+            vals[i] = x
+        return vals
+
+    def primal(*dyn: Any) -> list[Any]:
+        return compat.bind(eqn, full(dyn))
+
+    primal.__name__ = primal.__qualname__ = compat.rule_wrapper_name(name)
+
+    if rule.mode == "vjp":
+        fn = jax.custom_vjp(primal)
+
+        def fwd(*dyn: Any) -> tuple[list[Any], Any]:
+            outs = primal(*dyn)
+            return outs, (dyn, outs)
+
+        def bwd(res: Any, g: list[Any]) -> tuple[Any, ...]:
+            dyn, outs = res
+            all_in = full(dyn)
+            view = _view(eqn, name, inst, all_in, outs)
+            g = [None if validate.is_float0(x) else x for x in g]
+            cts = validate.checked_call(rule, view, _structured(inst, g))
+            flat = _from_rule(inst, validate.align(rule, view, cts, view.inputs, "cotangent"))
+            flat = validate.check_all(rule, view, flat, all_in, "cotangent")
+            return tuple(flat[i] for i in dyn_pos)
+
+        fn.defvjp(fwd, bwd)
+        return list(fn(*dyn_inputs))
+
+    jfn = jax.custom_jvp(primal)
+    # A library rule takes None for an input that carries no tangent (a constant of the program, such as
+    # data or a mask): it computes no term for it, as JAX's own rules do with their symbolic zeros. A user's
+    # rule gets zeros there (JAX's instantiated zeros), as it always has.
+    library = rule.key[:1] == ("gradkit",)
+
+    def jvp(primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> tuple[list[Any], list[Any]]:
+        outs = jfn(*primals)  # calling the custom function keeps the rule in force at every order
+        all_in = full(primals)
+        view = _view(eqn, name, inst, all_in, outs)
+        t_all: list[Any] = [None] * len(literals)
+        for i, t in zip(dyn_pos, tangents):
+            t_all[i] = None if isinstance(t, SymbolicZero) or validate.is_float0(t) else t
+        t_out = validate.checked_call(rule, view, _per_input(inst, t_all))
+        like = view.outputs
+        flat = validate.align(rule, view, t_out, like, "output tangent")
+        flat = validate.check_all(rule, view, flat, outs, "output tangent")
+        if not library:  # library rules are linear by construction
+            _check_linear(rule, view, inst, t_all, outs)
+        return outs, flat
+
+    jfn.defjvp(jvp, symbolic_zeros=library)
+    return list(jfn(*dyn_inputs))
+
+
+def _check_linear(rule: Rule, view: OpView, inst: Any, t_all: list[Any], outs: Sequence[Any]) -> None:
+    """Raises if a JVP rule is not linear in its tangents.
+
+    Reverse mode transposes the rule; a nonlinear one (``t ** 2``, ``t * t``,
+    ``jnp.clip(t)``) would otherwise fail deep inside JAX's transposition with
+    "Transpose rule for 'integer_pow' not implemented" or a bare AssertionError,
+    naming neither the rule nor the op. The check is abstract (``eval_shape``):
+    it costs one more trace of the rule and no computation.
+    """
+    live = [i for i, t in enumerate(t_all) if t is not None]
+    if not live:
+        return
+    structs = [jax.ShapeDtypeStruct(np.shape(t_all[i]), jax.numpy.result_type(t_all[i])) for i in live]
+
+    def tangent_map(*ts: Any) -> list[Any]:
+        t = list(t_all)
+        for i, x in zip(live, ts):
+            t[i] = x
+        t_out = rule.fn(view, _per_input(inst, t))
+        flat = validate.align(rule, view, t_out, view.outputs, "output tangent")
+        return [x for x, o in zip(flat, outs) if x is not None and validate.has_tangent_space(o)]
+
+    def transpose(*ts: Any) -> Any:
+        # zeros_like of real outputs: they carry the outputs' full type (e.g.
+        # shard_map's varying manual axes), which a ShapeDtypeStruct would not.
+        cts = [jax.numpy.zeros_like(o) for o in tangent_map(*ts)]
+        return jax.linear_transpose(tangent_map, *structs)(cts)
+
+    try:
+        jax.eval_shape(transpose, *structs)
+    except GradkitError:
+        raise
+    except Exception as e:
+        raise GradkitError(
+            f"rule {rule.name} for op '{view.name}' at {view.source} is not linear in its tangents, so reverse "
+            f"mode (jax.grad, which transposes it) cannot use it: JAX says {type(e).__name__}: {e}. A JVP rule "
+            "must be linear in `tangents`: multiply them by functions of op.inputs / op.outputs, add them, "
+            "select between them with jnp.where; never t ** 2, t * t, sin(t) or clip(t).") from e
+
+

@@ -1,0 +1,1 @@
+"""Function-level gradients: gk.custom_gradient and gk.custom_jvp."""

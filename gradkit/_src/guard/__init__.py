@@ -1,0 +1,1 @@
+"""The guard: gk.guard, a device check per call and an audit of the call that went bad."""

@@ -1,0 +1,405 @@
+"""The SAFE rules: a primitive's own derivative, exactly 0 where the incoming (co)tangent is 0.
+
+A SAFE rule is a JVP rule built from JAX's own JVP rule of the primitive:
+gradkit traces ``jax.jvp`` of the primitive once per signature and re-plays
+that program with every product of the tangent by a primal quantity
+(``mul(t, d)``, ``div(t, d)``) replaced by :func:`compat.safe_scale`, which is
+0 wherever the tangent is 0, and, for a product, also where the primal factor
+is 0 and the tangent infinite (``0 * inf`` is 0 both ways). So, operation for
+operation, each product in JAX's own order:
+
+* forward mode: the tangent is JAX's ``t * f'(x)``, and 0 wherever ``t`` is 0
+  (``0 * inf`` and ``0 * NaN`` never happen);
+* reverse mode (JAX transposes the rule): the cotangent is JAX's own, in JAX's
+  order of operations, and 0 wherever the incoming cotangent is 0 — or where
+  a mask applied after the op (``clip``'s, ``max``'s, a ``mul`` by 0) meets an
+  infinite cotangent, so reverse mode gives what forward mode gives where the
+  mask comes first;
+* higher orders: the primal quantities of the derivative (``0.5 / sqrt(x)``,
+  ``y ** -2``) are themselves computed with safe derivatives, so a zero
+  cotangent stays 0 through ``hessian`` and ``grad(grad(...))``.
+
+Following JAX's program rather than hand-written formulas keeps the gradients
+bit-identical to JAX's on every supported JAX version, whose formulas differ
+(newer versions write ``acos``' with ``one_minus_square``, ``acosh``' as a
+product of two ``rsqrt``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from gradkit._src import compat
+from gradkit._src.core import walk
+from gradkit._src.core.rule import OpView
+from gradkit._src.errors import GradkitError
+
+# How an equation of the JVP program is re-played.
+_PRIMAL = "primal"  # the primitive itself on the primal inputs: the op's own output is used
+_VALUE = "value"  # a primal quantity (part of f'(x)): computed with safe derivatives of its own
+_SCALE = "scale"  # tangent times/over primal quantities: one safe_scale
+_LINEAR = "linear"  # any other operation on tangents (neg, add, convert, broadcast, ...): as is
+
+
+@dataclasses.dataclass(frozen=True)
+class _Scale:
+    """``source * factor`` (or ``source / factor``), masked where ``source`` is 0 (and ``0 * inf`` both ways)."""
+
+    source: Any  # the tangent-side atom
+    factor: Any  # the primal atom
+    divide: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class _Program:
+    """JAX's JVP of one primitive application, annotated for the safe re-play."""
+
+    jaxpr: Any
+    consts: tuple[Any, ...]
+    kinds: tuple[str, ...]  # one per equation
+    scales: tuple[_Scale | None, ...]  # for _SCALE equations
+
+    @property
+    def masks(self) -> bool:
+        return _SCALE in self.kinds
+
+
+def _struct(x: Any) -> jax.ShapeDtypeStruct:
+    aval = compat.aval_of(x)
+    return jax.ShapeDtypeStruct(tuple(aval.shape), aval.dtype, weak_type=getattr(aval, "weak_type", False))
+
+
+def _is_inexact(x: Any) -> bool:
+    return bool(jnp.issubdtype(compat.aval_of(x).dtype, jnp.inexact))
+
+
+def _finite_literal(a: Any) -> bool:
+    return compat.is_literal(a) and bool(np.all(np.isfinite(a.val)))
+
+
+def _same_params(a: Any, b: Any) -> bool:
+    try:
+        return bool(dict(a) == dict(b))
+    except Exception:
+        return False
+
+
+def _trace_program(prim: Any, params: tuple[tuple[str, Any], ...], structs: tuple[jax.ShapeDtypeStruct, ...],
+                   diff: tuple[bool, ...]) -> _Program:
+    kw = dict(params)
+    idx = [i for i, d in enumerate(diff) if d]
+
+    def jvp_of(*args: Any) -> Any:
+        primals, tangents = list(args[:len(structs)]), args[len(structs):]
+
+        def f(*dyn: Any) -> Any:
+            xs = list(primals)
+            for i, x in zip(idx, dyn):
+                xs[i] = x
+            out = compat.bind_primitive(prim, xs, kw)
+            return out[0] if len(out) == 1 else tuple(out)
+
+        return jax.jvp(f, tuple(primals[i] for i in idx), tuple(tangents))[1]
+
+    # JAX's own rules assume its default promotion (pow's rule mixes an integer exponent into a float
+    # result): traced under it, they become explicit converts, whatever the user's setting.
+    with jax.numpy_dtype_promotion("standard"):
+        closed = compat.trace(jvp_of, [*structs, *(structs[i] for i in idx)])
+    jaxpr, consts = compat.jaxpr_parts(closed)
+    eqns = list(jaxpr.eqns)
+    primal_vars = list(jaxpr.invars[:len(structs)])
+    linear = set(jaxpr.invars[len(structs):])
+    kinds: list[str] = []
+    scales: list[_Scale | None] = []
+    for eqn in eqns:
+        lin = [not compat.is_literal(a) and a in linear for a in eqn.invars]
+        kind, scale = _LINEAR, None
+        if not any(lin):
+            # The primitive's own result: same primitive, inputs and parameters (integer_pow's JVP
+            # has another integer_pow of x, with y - 1), computed once, first.
+            same = (eqn.primitive is prim and list(eqn.invars) == primal_vars and _same_params(eqn.params, kw)
+                    and _PRIMAL not in kinds)
+            kind = _PRIMAL if same else _VALUE
+        else:
+            linear.update(eqn.outvars)
+            name = eqn.primitive.name
+            if len(lin) == 2 and sum(lin) == 1 and (name == "mul" or (name == "div" and lin[0])):
+                src, factor = eqn.invars[lin.index(True)], eqn.invars[1 - lin.index(True)]
+                if not _finite_literal(factor):  # a product with a finite constant needs no mask
+                    # Each product masked on its own, in JAX's order of operations: the values are
+                    # JAX's wherever nothing is 0 * inf, in forward and in reverse mode.
+                    kind, scale = _SCALE, _Scale(src, factor, name == "div")
+        kinds.append(kind)
+        scales.append(scale)
+    return _Program(jaxpr, tuple(consts), tuple(kinds), tuple(scales))
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_program(prim: Any, params: tuple[tuple[str, Any], ...], structs: tuple[jax.ShapeDtypeStruct, ...],
+                    diff: tuple[bool, ...], context: Any) -> _Program:
+    del context  # part of the key only: x64 and friends change the traced program
+    return _trace_program(prim, params, structs, diff)
+
+
+def program(prim: Any, params: Any, inputs: Sequence[Any], diff: tuple[bool, ...]) -> _Program:
+    """JAX's JVP of ``prim`` at inputs like ``inputs`` w.r.t. the inputs flagged in ``diff`` (cached)."""
+    items = tuple(sorted(dict(params).items()))
+    structs = tuple(_struct(x) for x in inputs)
+    try:
+        return _cached_program(prim, items, structs, diff, compat.trace_context())
+    except TypeError as e:  # an unhashable parameter: trace it every time
+        if "unhashable" not in str(e):
+            raise
+        return _trace_program(prim, items, structs, diff)
+
+
+def as_dtype(x: Any, dtype: Any) -> Any:
+    """``x`` as ``dtype``: a convert for JAX values (no ``jnp.asarray``: under ``vmap`` that is a
+    ``device_put``, which makes JAX import and register more of itself), NumPy for constants."""
+    if isinstance(x, (jax.Array, compat.Tracer)):
+        return x if x.dtype == dtype else lax.convert_element_type(x, dtype)
+    return np.asarray(x, dtype)
+
+
+def _apply_scale(step: _Scale, env: dict[Any, Any], aval: Any) -> Any:
+    shape, dtype = tuple(aval.shape), aval.dtype
+    d = jnp.broadcast_to(as_dtype(compat.read_atom(env, step.factor), dtype), shape)
+    u = compat.read_atom(env, step.source)
+    u = jnp.broadcast_to(u, shape) if np.shape(u) != shape else u  # a rank-0 operand
+    return compat.safe_scale(u, d, divide=step.divide)
+
+
+def replay(prog: _Program, primals: Sequence[Any], tangents: Sequence[Any],
+           outputs: Sequence[Any] | None = None) -> list[Any]:
+    """Evaluates the program with masked products; ``outputs`` stand for the primitive's own result."""
+    env: dict[Any, Any] = {}
+    jaxpr = prog.jaxpr
+    for v, c in zip(jaxpr.constvars, prog.consts):
+        env[v] = c
+    for v, x in zip(jaxpr.invars, [*primals, *tangents]):
+        env[v] = x
+    for eqn, kind, step in zip(jaxpr.eqns, prog.kinds, prog.scales):
+        if kind == _SCALE:
+            assert step is not None  # every scaled equation has its scale
+            outs = [_apply_scale(step, env, eqn.outvars[0].aval)]
+        else:
+            ins = [compat.read_atom(env, a) for a in eqn.invars]
+            if kind == _PRIMAL and outputs is not None:
+                outs = list(outputs)
+            elif kind in (_PRIMAL, _VALUE):
+                outs = safe_bind(eqn.primitive, eqn.params, ins, [compat.is_literal(a) for a in eqn.invars])
+            else:
+                outs = compat.bind(eqn, compat.match_varying(ins))
+        for v, x in zip(eqn.outvars, outs):
+            env[v] = x
+    return [compat.read_atom(env, a) for a in jaxpr.outvars]
+
+
+def safe_bind(prim: Any, params: Any, inputs: Sequence[Any], fixed: Sequence[bool] | None = None) -> list[Any]:
+    """``prim`` applied to ``inputs``, with a safe derivative (a ``custom_jvp``) where its JVP scales.
+
+    The value is the primitive's own; only its derivative changes, and only
+    where JAX's rule multiplies a tangent by a primal quantity. Inputs flagged
+    in ``fixed`` (constants of the program) are not differentiated.
+    """
+    params = dict(params)
+    fixed = fixed or [False] * len(inputs)
+    diff = tuple(_is_inexact(x) and not c for x, c in zip(inputs, fixed))
+    inputs = compat.match_varying(inputs)
+    if prim.multiple_results or not any(diff) or walk.subprograms(params) or _by_constant(prim, inputs, fixed):
+        return compat.bind_primitive(prim, inputs, params)
+    try:
+        prog = program(prim, params, inputs, diff)
+    except Exception:
+        return compat.bind_primitive(prim, inputs, params)
+    if not prog.masks:
+        return compat.bind_primitive(prim, inputs, params)
+    idx = [i for i, d in enumerate(diff) if d]
+
+    # Every input is an argument, the fixed ones too: JAX memoizes the traced
+    # JVP with the program, so it must close over no value of this trace
+    # (inside shard_map, match_varying made even the constants traced values).
+    @jax.custom_jvp
+    def f(*xs: Any) -> Any:
+        return compat.bind_primitive(prim, list(xs), params)[0]
+
+    @f.defjvp
+    def f_jvp(primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> tuple[Any, Any]:
+        out = f(*primals)  # the fixed inputs' tangents are dropped: they are constants of the program
+        return out, replay(prog, list(primals), [tangents[i] for i in idx], [out])[0]
+
+    return [f(*inputs)]
+
+
+def _by_constant(prim: Any, inputs: Sequence[Any], fixed: Sequence[bool]) -> bool:
+    """``c * x``, ``x * c`` or ``x / c`` with ``c`` a finite nonzero constant: its safe derivative is JAX's.
+
+    The case of :func:`scaled_by_constant`, for a primal quantity of a
+    derivative (``2 * x`` in ``x ** 2``'s): no ``custom_jvp`` layer for it.
+    """
+    if prim.name not in ("mul", "div") or len(inputs) != 2 or sum(fixed) != 1 or (prim.name == "div" and fixed[0]):
+        return False
+    c = inputs[list(fixed).index(True)]
+    if isinstance(c, compat.Tracer):
+        return False
+    c = np.asarray(c)
+    return bool(np.all(np.isfinite(c)) and np.all(c != 0))
+
+
+# --------------------------------------------------------------------------- the rules
+
+
+def _lax_params(target: str, op: OpView) -> dict[str, Any]:
+    """The primitive's parameters for a rule retargeted to another op (a gk.op wrapping the primitive)."""
+    fn = getattr(lax, target, None)
+    error: Exception | None = None
+    # A named op's keyword arguments may be the primitive's (integer_pow's y); a jit-ed function's are jit's.
+    for kw in (dict(op.params), {}):
+        try:
+            jaxpr = jax.make_jaxpr(lambda *xs, kw=kw: fn(*xs, **kw))(*op.inputs)  # type: ignore[misc]
+            return dict(next(e for e in compat.jaxpr_parts(jaxpr)[0].eqns if e.primitive.name == target).params)
+        except Exception as e:
+            error = error or e
+    raise GradkitError(
+        f"rule gradkit.safe[{target}] for op '{op.name}' at {op.source}: the op's inputs and keyword arguments "
+        f"({len(op.inputs)} inputs, {sorted(op.params)}) do not make one lax.{target} call ({error}). Use "
+        f"{{rule = \"safe\", op = \"{target}\"}} only on an op that computes lax.{target} of its inputs.")
+
+
+def safe_rule(target: str) -> Callable[[OpView, tuple[Any, ...]], Any]:
+    """The SAFE JVP rule for primitive ``target`` (usable on an op that wraps it, too)."""
+    prim = compat.primitive_by_name(target)
+    if prim is None:  # pragma: no cover - every SAFE target is a lax primitive
+        raise GradkitError(f"internal: no JAX primitive named {target!r} for a SAFE rule.")
+
+    def rule(op: OpView, tangents: tuple[Any, ...]) -> Any:
+        inputs = list(op.inputs)
+        diff = tuple(t is not None and _is_inexact(x) for x, t in zip(inputs, tangents))
+        if not any(diff):
+            return None
+        own = op.name == target
+        params = dict(op.params) if own else _lax_params(target, op)
+        prog = program(prim, params, inputs, diff)
+        ts = [as_dtype(t, compat.aval_of(x).dtype) for x, t, d in zip(inputs, tangents, diff) if d]
+        out = replay(prog, inputs, ts, op.outputs if own else None)
+        return out[0] if len(out) == 1 else tuple(out)
+
+    if target in ("mul", "div"):
+        rule.keeps_jax_derivative = scaled_by_constant  # type: ignore[attr-defined]  # read by the splicer
+    return rule
+
+
+def scaled_by_constant(eqn: Any) -> bool:
+    """``x * c``, ``c * x`` or ``x / c`` with ``c`` a finite, nonzero literal: SAFE's rule is JAX's derivative.
+
+    Its one product is ``safe_scale(t, c)``, which masks nothing when ``c`` is
+    finite and nonzero (``t * c``, ``t / c``, bit for bit), and it has no
+    primal quantity to make safe: the splicer leaves such an equation as it
+    is (no ``custom_jvp`` layer, no rule traced, no mask for XLA to compile),
+    and JAX's own rule gives the same derivative at every order.
+    """
+    lits = [compat.is_literal(a) for a in eqn.invars]
+    return _by_constant(eqn.primitive, [a.val if lit else None for a, lit in zip(eqn.invars, lits)], lits)
+
+
+# --------------------------------------------------------------------------- opt-in: a fully masked row's NaN
+#
+# A softmax over a row whose scores are all -inf computes -inf - (-inf) = NaN for the whole row in its
+# max shift. A loss that drops that row with a `where` has a finite value, but the backward pass
+# multiplies the row's NaN by its zero cotangent: in `exp`'s derivative (exp(x) t) and in the matrix
+# product that follows (p @ v: v's cotangent is p^T g). These rules give those products exactly 0 where
+# the (co)tangent is 0 and the value is NaN: the derivative of a loss that never uses the row.
+
+
+def safe_exp_rule() -> Callable[[OpView, tuple[Any, ...]], Any]:
+    """``exp``'s JVP ``t * exp(x)``, 0 where ``t`` is 0 and the value is NaN (a NaN input); JAX's elsewhere.
+
+    An overflowed ``exp`` (``inf``) keeps JAX's ``0 * inf = NaN``: a zero
+    cotangent reaching it is usually ``1/inf`` from downstream, not a mask
+    (why ``exp`` is not in SAFE).
+    """
+
+    def rule(op: OpView, tangents: tuple[Any, ...]) -> Any:
+        t = tangents[0] if tangents else None
+        if t is None:
+            return None
+        y = op.outputs[0]
+        t = as_dtype(t, compat.aval_of(y).dtype)
+        nan = jnp.isnan(y)
+        # both branches are transposed: the plain product must not meet the NaN either
+        return jnp.where(nan, compat.safe_scale(t, y), t * jnp.where(nan, jnp.zeros((), y.dtype), y))
+
+    return rule
+
+
+def _dead_term(prim: Any, params: dict[str, Any], primal: Any, t: Any, primal_is_lhs: bool, out_aval: Any) -> Any:
+    """The tangent term ``dot(primal, t)`` (or ``dot(t, primal)``), 0 where ``t`` meets a dead row as 0.
+
+    A dead row of ``primal``: all its elements along the contracting dims are non-finite (a fully
+    masked softmax row). Its products with ``t`` are 0 where the ``t`` it meets is 0 — the
+    two-sided zero product of SAFE, for the row as a whole — and NaN elsewhere (JAX gives NaN or
+    inf there). Rows with some finite elements are JAX's. Linear in ``t``: the dead rows are zeroed
+    in the primal, and their contribution is ``safe_scale`` of a NaN by ``t``'s sum along the
+    contraction, broadcast over the dead rows.
+    """
+    (lc, rc), (lb, rb) = params["dimension_numbers"]
+    pc, pb, tc, tb = (lc, lb, rc, rb) if primal_is_lhs else (rc, rb, lc, lb)
+    pc, pb, tc, tb = (tuple(int(d) for d in x) for x in (pc, pb, tc, tb))
+    shape, dtype = tuple(out_aval.shape), out_aval.dtype
+    nb = len(pb)
+    p_free = [d for d in range(np.ndim(primal)) if d not in pc and d not in pb]
+    t_free = [d for d in range(np.ndim(t)) if d not in tc and d not in tb]
+    size = int(np.prod([np.shape(primal)[d] for d in pc], dtype=np.int64))
+    dead = jnp.all(~jnp.isfinite(primal), axis=pc, keepdims=True) & (size > 0)
+    rest_primal = jnp.where(dead, jnp.zeros((), primal.dtype), primal)
+    args = [rest_primal, t] if primal_is_lhs else [t, rest_primal]
+    rest = compat.bind_primitive(prim, args, params)[0]
+    # the output dims of the primal's free dims, and of t's
+    p_at, t_at = (nb, nb + len(p_free)) if primal_is_lhs else (nb + len(t_free), nb)
+    keep_p = [d for d in range(np.ndim(primal)) if d not in pc]
+    m = jnp.squeeze(dead, axis=pc) if pc else dead
+    m = lax.transpose(m, tuple([keep_p.index(d) for d in pb] + [keep_p.index(d) for d in p_free]))
+    m_out = lax.broadcast_in_dim(m, shape, tuple(range(nb)) + tuple(range(p_at, p_at + len(p_free))))
+    nan = jnp.full(np.shape(t), jnp.nan, t.dtype)
+    hit = compat.safe_scale(t, nan)  # NaN where t is not 0, else 0: linear in t
+    e = jnp.sum(hit, axis=tc) if tc else hit
+    keep_t = [d for d in range(np.ndim(t)) if d not in tc]
+    e = lax.transpose(e, tuple([keep_t.index(d) for d in tb] + [keep_t.index(d) for d in t_free]))
+    e_out = lax.broadcast_in_dim(as_dtype(e, dtype), shape, tuple(range(nb)) + tuple(range(t_at, t_at + len(t_free))))
+    bad = compat.safe_scale(e_out, as_dtype(m_out, dtype))  # the NaN only on dead rows (0 · NaN is 0 here)
+    rest = as_dtype(rest, dtype)
+    return jnp.where(m_out, rest + bad, rest)
+
+
+def safe_dot_general_rule() -> Callable[[OpView, tuple[Any, ...]], Any]:
+    """``dot_general``'s JVP with dead rows (all non-finite along the contraction) 0 where their tangent is 0."""
+    prim = compat.primitive_by_name("dot_general")
+
+    def rule(op: OpView, tangents: tuple[Any, ...]) -> Any:
+        params = dict(op.params)
+        if "dimension_numbers" not in params or len(op.inputs) != 2:
+            raise GradkitError(
+                f"rule gradkit.safe[dot_general] for op '{op.name}' at {op.source}: the op is not a "
+                "lax.dot_general (no dimension_numbers). Use {\"dot_general\": \"safe\"} on the primitive "
+                "dot_general (jnp.matmul, @, jnp.einsum, jnp.dot).")
+        lhs, rhs = op.inputs
+        out_aval = compat.aval_of(op.outputs[0])
+        terms = []
+        for k, (primal, t) in enumerate(((lhs, tangents[1]), (rhs, tangents[0]))):
+            if t is None or not _is_inexact(t):
+                continue
+            t = as_dtype(t, compat.aval_of(op.inputs[1 - k]).dtype)
+            terms.append(_dead_term(prim, params, primal, t, k == 0, out_aval))
+        if not terms:
+            return None
+        return terms[0] if len(terms) == 1 else terms[0] + terms[1]
+
+    return rule
