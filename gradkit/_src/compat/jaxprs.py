@@ -28,6 +28,9 @@ ClosedJaxpr = jex_core.ClosedJaxpr
 Literal = jex_core.Literal
 Primitive = jex_core.Primitive
 JaxprEqn = jex_core.JaxprEqn
+Var = jex_core.Var
+AbstractValue = jax.core.AbstractValue
+ShapedArray = jax.core.ShapedArray
 Tracer = jax.core.Tracer
 # A concrete jax.Array (never a tracer). Named, not made: building an array at
 # import would initialize JAX's backend before the user's jax.config.update.
