@@ -11,12 +11,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike, DTypeLike
 
 from gradkit._src import compat
 from gradkit._src.core import args as args_lib
@@ -38,11 +39,11 @@ is_array = args_lib.is_array
 is_number = args_lib.is_number
 
 
-def inexact(dtype: Any) -> bool:
+def inexact(dtype: DTypeLike) -> bool:
     return bool(jnp.issubdtype(dtype, jnp.inexact))
 
 
-def summary(x: Any) -> str:
+def summary(x: object) -> str:
     """``describe`` that also looks one level into tuples, lists and dicts."""
     if isinstance(x, (tuple, list)):
         inner = ", ".join(summary(v) if not isinstance(v, (tuple, list, dict)) else type(v).__name__ for v in x)
@@ -54,25 +55,25 @@ def summary(x: Any) -> str:
     return describe(x)
 
 
-def _spec(shape: Sequence[int], dtype: Any) -> str:
+def _spec(shape: Sequence[int], dtype: DTypeLike) -> str:
     return f"{jnp.dtype(dtype)}[{','.join(map(str, shape))}]"
 
 
-def is_zero(t: Any) -> bool:
+def is_zero(t: object) -> bool:
     """A symbolic zero, a float0 tangent or None: no tangent/cotangent at all."""
     return (t is None or isinstance(t, jax.custom_derivatives.SymbolicZero)
             or getattr(t, "dtype", None) == jax.dtypes.float0)
 
 
-def zero_tangent(x: Any) -> Any:
+def zero_tangent(x: jax.Array | np.ndarray) -> jax.Array | np.ndarray:
     if inexact(x.dtype):
         return jnp.zeros(x.shape, x.dtype)
     return np.zeros(x.shape, dtype=jax.dtypes.float0)
 
 
-def as_tangent(t: Any, x: Any) -> Any:
+def as_tangent(t: ArrayLike | jax.custom_derivatives.SymbolicZero | None, x: ArrayLike) -> jax.Array:
     dtype = jnp.result_type(x)
-    if is_zero(t):
+    if t is None or isinstance(t, jax.custom_derivatives.SymbolicZero) or is_zero(t):
         return jnp.zeros(np.shape(x), dtype)
     return jnp.asarray(t).astype(dtype)
 
@@ -88,7 +89,7 @@ class FnInfo:
     so the first positional argument is bound, as TensorFlow binds ``self``.
     """
 
-    fn: Callable[..., Any]
+    fn: Callable[..., object]
     name: str
     kind: Kind
     method: bool = False
@@ -117,7 +118,7 @@ class FnInfo:
         var = next((p.name for p in params if p.kind == p.VAR_POSITIONAL), None)
         return pos, var
 
-    def accepted(self, params: Any) -> dict[str, Any]:
+    def accepted(self, params: Mapping[str, object]) -> dict[str, object]:
         """The op params that ``fn`` accepts as keyword arguments (all of them if it takes ``**kwargs``)."""
         try:
             sig = inspect.signature(self.fn).parameters
@@ -136,7 +137,7 @@ class FnInfo:
             return f"`{var}[{i - len(pos)}]`"
         return f"argument {i}"
 
-    def split(self, result: Any) -> tuple[Any, Callable[..., Any]]:
+    def split(self, result: object) -> tuple[object, Callable[..., object]]:
         """``(outputs, closure)`` from what ``fn`` returned: ``(out, f)`` or ``(o1, o2, ..., f)``."""
         if isinstance(result, (tuple, list)) and len(result) >= 2:
             closure = result[-1]
@@ -147,7 +148,7 @@ class FnInfo:
             f"a tuple whose last element is the {self.closure} function; got {summary(result)}. "
             f"Write `return y, {self.closure}`.")
 
-    def call_closure(self, closure: Callable[..., Any], args: Sequence[Any], what: str) -> Any:
+    def call_closure(self, closure: Callable[..., object], args: Sequence[object], what: str) -> object:
         """Calls grad_fn / jvp_fn. What it raises keeps its type; a note names the function."""
         try:
             result = closure(*args)
@@ -165,7 +166,7 @@ class FnInfo:
                 "gradient with another @gk.custom_gradient function inside grad_fn.")
         return result
 
-    def _note(self, e: Exception, args: Sequence[Any], what: str) -> str:
+    def _note(self, e: Exception, args: Sequence[object], what: str) -> str:
         note = f"[gradkit] raised in the {self.closure} of {self.where}."
         if isinstance(e, compat.CONCRETIZATION_ERRORS):
             note += (f" {self.closure} is traced with abstract {what}s: use jnp.where / lax.cond rather than "
@@ -192,7 +193,7 @@ class Call:
     info: FnInfo
     sig: named.Signature
     bound: int = 0
-    out_tree: Any = None
+    out_tree: jax.tree_util.PyTreeDef | None = None
 
     @functools.cached_property
     def n_bound_dyn(self) -> int:
@@ -207,7 +208,7 @@ class Call:
         """Differentiated dynamic leaves."""
         return len(self.sig.split.dyn_pos) - self.n_bound_dyn
 
-    def run(self, dyn: Sequence[Any]) -> tuple[Any, Callable[..., Any], list[Any]]:
+    def run(self, dyn: Sequence[jax.Array]) -> tuple[object, Callable[..., object], list[jax.Array]]:
         """Calls the user's function on all dynamic leaves: (outputs, closure, flat output arrays)."""
         outputs, closure = self.info.split(self.info.fn(*self.sig.args(dyn), **self.sig.kwargs))
         leaves, self.out_tree = jax.tree_util.tree_flatten(outputs)
@@ -222,22 +223,23 @@ class Call:
             flat.append(x)
         return outputs, closure, flat
 
-    def outputs(self, flat: Sequence[Any]) -> Any:
+    def outputs(self, flat: Sequence[object]) -> Any:
+        assert self.out_tree is not None, "run() sets out_tree"
         return jax.tree_util.tree_unflatten(self.out_tree, list(flat))
 
-    def index_args(self) -> tuple[Any, ...]:
+    def index_args(self) -> tuple[object, ...]:
         """The differentiated positional arguments, each dynamic leaf replaced by its index, static ones by STATIC."""
         nb = self.n_bound_dyn
         n = len(self.sig.split.dyn_pos)
         return tuple(self.sig.split.scatter(list(range(-nb, n - nb)), fill=STATIC))[self.bound:]
 
-    def user_tangents(self, tangents: Sequence[Any]) -> tuple[Any, ...]:
+    def user_tangents(self, tangents: Sequence[object]) -> tuple[object, ...]:
         """Tangents (one per differentiated leaf) structured like the arguments; None for the others."""
         per = [None] * self.n_bound_dyn + [None if is_zero(t) else t for t in tangents]
         return tuple(self.sig.split.scatter(per))[self.bound:]
 
-    def gradients(self, closure: Callable[..., Any], dyn: Sequence[Any], ct_leaves: Sequence[Any],
-                  outputs_multi: bool) -> list[Any]:
+    def gradients(self, closure: Callable[..., object], dyn: Sequence[jax.Array], ct_leaves: Sequence[object],
+                  outputs_multi: bool) -> list[object]:
         """Calls grad_fn on the output cotangents; one checked gradient (or None) per differentiated leaf."""
         info = self.info
         ups = self.outputs(ct_leaves)
@@ -247,14 +249,14 @@ class Call:
         flat = _align(info, result, refs, names, "gradient", "positional argument")
         markers = jax.tree_util.tree_leaves(refs)
         labels = [lab for r, name in zip(refs, names) for lab in _labels(r, name)]
-        grads: list[Any] = [None] * len(dyn)
+        grads: list[object] = [None] * len(dyn)
         for v, marker, label in zip(flat, markers, labels):
             if marker is STATIC:
                 continue  # static arguments have no gradient; whatever grad_fn said is dropped
             grads[marker] = _check(info, v, dyn[marker], label, "gradient")
         return grads
 
-    def tangents_out(self, result: Any, outputs: Any, out: Sequence[Any]) -> list[Any]:
+    def tangents_out(self, result: object, outputs: object, out: Sequence[jax.Array]) -> list[object]:
         """Checks jvp_fn's result; one tangent (or None) per output leaf."""
         ref = self.outputs(list(range(len(out))))
         refs, names = (list(ref), [f"output {i}" for i in range(len(ref))]) if is_multi(outputs) else (
@@ -264,14 +266,14 @@ class Call:
         return [_check(self.info, v, o, label, "output tangent") for v, o, label in zip(flat, out, labels)]
 
 
-def is_multi(outputs: Any) -> bool:
+def is_multi(outputs: object) -> bool:
     return isinstance(outputs, (tuple, list))
 
 
 # --------------------------------------------------------------------------- checks
 
 
-def _unwrap_single(value: Any, ref: Any) -> Any:
+def _unwrap_single(value: object, ref: object) -> object:
     """For one expected entry, accept both ``g`` and ``(g,)``."""
     if isinstance(value, (tuple, list)) and len(value) == 1:
         if not isinstance(ref, (tuple, list)) or value[0] is None or isinstance(value[0], (tuple, list)):
@@ -279,8 +281,8 @@ def _unwrap_single(value: Any, ref: Any) -> Any:
     return value
 
 
-def _align(info: FnInfo, value: Any, refs: Sequence[Any], labels: Sequence[str], what: str,
-           expected: str) -> list[Any]:
+def _align(info: FnInfo, value: object, refs: Sequence[object], labels: Sequence[str], what: str,
+           expected: str) -> list[object]:
     """Matches ``value`` (one entry per element of ``refs``) to ``refs``'s leaves, ``None`` anywhere.
 
     Returns one entry per leaf of ``refs`` (concatenated, in order) with the
@@ -290,7 +292,7 @@ def _align(info: FnInfo, value: Any, refs: Sequence[Any], labels: Sequence[str],
     if value is None:
         return [None] * sum(len(jax.tree_util.tree_leaves(r)) for r in refs)
     if n == 1:
-        parts: Sequence[Any] = (_unwrap_single(value, refs[0]),)
+        parts: Sequence[object] = (_unwrap_single(value, refs[0]),)
     elif not isinstance(value, (tuple, list)):
         raise GradkitError(
             f"{info.where}: its {info.closure} must return a tuple of {n} {what}s, one per {expected}; "
@@ -305,13 +307,13 @@ def _align(info: FnInfo, value: Any, refs: Sequence[Any], labels: Sequence[str],
             f"{expected} ({', '.join(labels)}). Use None for no {what}.{hint}")
     else:
         parts = value
-    out: list[Any] = []
+    out: list[object] = []
     for part, ref, label in zip(parts, refs, labels):
         out.extend(validate.match_leaves(part, ref, info.where, what, label))
     return out
 
 
-def _check(info: FnInfo, value: Any, like: Any, label: str, what: str) -> Any:
+def _check(info: FnInfo, value: object, like: ArrayLike, label: str, what: str) -> object:
     """``value`` as an array of ``like``'s shape and dtype (cast if needed); ``None`` stays ``None``.
 
     ``like`` has no tangent space (integer, boolean) → ``None``, whatever the
@@ -346,7 +348,7 @@ def _check(info: FnInfo, value: Any, like: Any, label: str, what: str) -> Any:
     return value
 
 
-def _labels(ref: Any, base: str) -> list[str]:
+def _labels(ref: object, base: str) -> list[str]:
     """One label per leaf of ``ref``: ``base`` or ``base[...]`` with the leaf's key path."""
     paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(ref)[0]]
     if len(paths) == 1 and not paths[0]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,19 +36,20 @@ class JaxprFn:
     which const slots are filled by the captured values at each call.
     """
 
-    jaxpr: Any
+    jaxpr: compat.Jaxpr
     slots: tuple[int, ...]
-    fixed: tuple[Any, ...]
+    fixed: tuple[object, ...]
 
     @classmethod
-    def trace(cls, fn: Callable[..., Sequence[Any]], structs: Sequence[Any]) -> tuple[JaxprFn, list[Any]]:
+    def trace(cls, fn: Callable[..., Sequence[object]],
+              structs: Sequence[jax.ShapeDtypeStruct]) -> tuple[JaxprFn, list[jax.Array]]:
         jaxpr, consts = compat.detach_consts(compat.trace(fn, list(structs)))
         slots = tuple(i for i, c in enumerate(consts) if isinstance(c, compat.Tracer))
         fixed = tuple(None if i in slots else c for i, c in enumerate(consts))
         return cls(jaxpr, slots, fixed), [consts[i] for i in slots]
 
-    def __call__(self, captured: Sequence[Any], args: Sequence[Any]) -> list[Any]:
-        consts = list(self.fixed)
+    def __call__(self, captured: Sequence[jax.Array], args: Sequence[jax.Array]) -> list[jax.Array]:
+        consts: list[object] = list(self.fixed)
         for i, c in zip(self.slots, captured):
             consts[i] = c
         return compat.eval_open(self.jaxpr, [*consts, *args])
@@ -68,32 +68,33 @@ class ClosureStatic:
 class Closure:
     """A closure-converted grad_fn / jvp_fn: static jaxpr, captured values as pytree leaves (residuals)."""
 
-    def __init__(self, static: ClosureStatic, captured: Sequence[Any]):
+    def __init__(self, static: ClosureStatic, captured: Sequence[jax.Array]):
         self.static = static
         self.captured = list(captured)
 
-    def tree_flatten(self) -> tuple[list[Any], ClosureStatic]:
+    def tree_flatten(self) -> tuple[list[jax.Array], ClosureStatic]:
         return self.captured, self.static
 
     @classmethod
-    def tree_unflatten(cls, static: ClosureStatic, captured: Sequence[Any]) -> Closure:
+    def tree_unflatten(cls, static: ClosureStatic, captured: Sequence[jax.Array]) -> Closure:
         return cls(static, captured)
 
-    def linear(self, *float_inputs: Any) -> tuple[Any, ...]:
+    def linear(self, *float_inputs: jax.Array) -> tuple[jax.Array, ...]:
         """The non-None outputs, as a function of the float inputs (what jax.linear_transpose needs)."""
         return tuple(self.static.fn(self.captured, float_inputs))
 
-    def __call__(self, inputs: Sequence[Any]) -> list[Any]:
+    def __call__(self, inputs: Sequence[jax.Array]) -> list[jax.Array | None]:
         """One output (or None) per out_mask entry from one input per in_mask entry."""
         vals = iter(self.linear(*[x for x, keep in zip(inputs, self.static.in_mask) if keep]))
         return [next(vals) if m else None for m in self.static.out_mask]
 
 
-def _close(fn: Callable[..., list[Any]], structs: Sequence[Any], in_mask: tuple[bool, ...]) -> Closure:
+def _close(fn: Callable[..., list[object]], structs: Sequence[jax.ShapeDtypeStruct],
+           in_mask: tuple[bool, ...]) -> Closure:
     """Traces ``fn`` (float inputs -> list with None entries) and hoists what it captured."""
     mask_box: list[tuple[bool, ...]] = []
 
-    def nonzero(*xs: Any) -> list[Any]:
+    def nonzero(*xs: jax.Array) -> list[object]:
         outs = fn(*xs)
         mask_box.append(tuple(o is not None for o in outs))
         return [o for o in outs if o is not None]
@@ -102,12 +103,12 @@ def _close(fn: Callable[..., list[Any]], structs: Sequence[Any], in_mask: tuple[
     return Closure(ClosureStatic(jfn, in_mask, mask_box[-1]), captured)
 
 
-def close_grad_fn(call: Call, grad_fn: Callable[..., Any], dyn: Sequence[Any], outputs: Any,
-                  out: Sequence[Any], multi: bool) -> Closure:
+def close_grad_fn(call: Call, grad_fn: Callable[..., object], dyn: Sequence[jax.Array], outputs: object,
+                  out: Sequence[jax.Array], multi: bool) -> Closure:
     """grad_fn as a function of the float output cotangents, one gradient (or None) per differentiated leaf."""
     float_out = tuple(inexact(o.dtype) for o in out)
 
-    def flat(*float_cts: Any) -> list[Any]:
+    def flat(*float_cts: jax.Array) -> list[object]:
         it = iter(float_cts)
         return call.gradients(grad_fn, dyn, [next(it) if keep else None for keep in float_out], multi)
 
@@ -115,12 +116,12 @@ def close_grad_fn(call: Call, grad_fn: Callable[..., Any], dyn: Sequence[Any], o
     return _close(flat, structs, float_out)
 
 
-def close_jvp_fn(call: Call, jvp_fn: Callable[..., Any], dyn: Sequence[Any], outputs: Any,
-                 out: Sequence[Any]) -> Closure:
+def close_jvp_fn(call: Call, jvp_fn: Callable[..., object], dyn: Sequence[jax.Array], outputs: object,
+                 out: Sequence[jax.Array]) -> Closure:
     """jvp_fn as a function of the float input tangents, one tangent (or None) per output leaf."""
     float_in = tuple(inexact(jnp.result_type(x)) for x in dyn)
 
-    def flat(*float_ts: Any) -> list[Any]:
+    def flat(*float_ts: jax.Array) -> list[object]:
         it = iter(float_ts)
         ts = [next(it) if keep else None for keep in float_in]
         result = call.info.call_closure(jvp_fn, call.user_tangents(ts), "tangent")
@@ -130,11 +131,13 @@ def close_jvp_fn(call: Call, jvp_fn: Callable[..., Any], dyn: Sequence[Any], out
     return _close(flat, structs, float_in)
 
 
-def transposed(closure: Closure, dyn: Sequence[Any], out: Sequence[Any], tangents: Sequence[Any]) -> list[Any]:
+def transposed(closure: Closure, dyn: Sequence[jax.Array], out: Sequence[jax.Array | np.ndarray],
+               tangents: Sequence[jax.Array | jax.custom_derivatives.SymbolicZero | None],
+               ) -> list[jax.Array | np.ndarray]:
     """Output tangents ``J t`` from grad_fn (``v ↦ Jᵀ v``) by linear transposition."""
     float_out = closure.static.in_mask
     structs = [compat.struct_like(o, weak_type=False) for o, keep in zip(out, float_out) if keep]
-    t_float: Sequence[Any] = ()
+    t_float: Sequence[jax.Array] = ()
     if structs:
         t_in = tuple(as_tangent(t, x) for t, x, m in zip(tangents, dyn, closure.static.out_mask) if m)
         t_float = jax.linear_transpose(closure.linear, *structs)(t_in)
@@ -145,7 +148,8 @@ def transposed(closure: Closure, dyn: Sequence[Any], out: Sequence[Any], tangent
 # --------------------------------------------------------------------------- is grad_fn linear?
 
 
-def forward_problem(static: ClosureStatic, cap_structs: Sequence[Any], out: Sequence[Any]) -> str | None:
+def forward_problem(static: ClosureStatic, cap_structs: Sequence[jax.ShapeDtypeStruct],
+                    out: Sequence[jax.Array | jax.ShapeDtypeStruct]) -> str | None:
     """Why grad_fn, as a function of the upstream gradients, has no transpose; ``None`` when it has.
 
     Two checks, both abstract (no computation): every gradient is a linear
@@ -162,7 +166,7 @@ def forward_problem(static: ClosureStatic, cap_structs: Sequence[Any], out: Sequ
         return problem
     out_structs = [compat.struct_of(v.aval) for v in static.fn.jaxpr.outvars]
 
-    def transpose(cap: Sequence[Any], cts: Sequence[Any]) -> Any:
+    def transpose(cap: Sequence[jax.Array], cts: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
         return jax.linear_transpose(Closure(static, cap).linear, *structs)(tuple(cts))
 
     try:
@@ -184,7 +188,7 @@ _KEEPS_ZERO = frozenset({"broadcast_in_dim", "convert_element_type", "reshape", 
                          "transpose", "copy", "copy_p", "neg", "slice", "dynamic_slice", "gather", "reduce_sum"})
 
 
-def _is_zero_const(value: Any) -> bool:
+def _is_zero_const(value: object) -> bool:
     try:
         arr = np.asarray(value)
     except Exception:
@@ -207,13 +211,13 @@ def _affine_problem(fn: JaxprFn, n_upstream: int) -> str | None:
     return None
 
 
-def _linear_or_zero(a: Any, linear: set[Any], zero: set[Any]) -> bool:
-    if compat.is_literal(a):
+def _linear_or_zero(a: compat.Var | compat.Literal, linear: set[compat.Var], zero: set[compat.Var]) -> bool:
+    if isinstance(a, compat.Literal):  # compat.is_literal, narrowed
         return _is_zero_const(a.val)
     return a in linear or a in zero
 
 
-def _propagate(jaxpr: Any, linear: set[Any], zero: set[Any]) -> str | None:
+def _propagate(jaxpr: compat.Jaxpr, linear: set[compat.Var], zero: set[compat.Var]) -> str | None:
     """Marks the variables of ``jaxpr`` that depend linearly on ``linear`` (or are zero); a problem found."""
     for eqn in jaxpr.eqns:
         lin_in = [not compat.is_literal(a) and a in linear for a in eqn.invars]

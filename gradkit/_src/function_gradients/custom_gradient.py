@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Literal, TypeVar, overload
 
 import jax
@@ -48,7 +48,7 @@ from gradkit._src.function_gradients import closure as cl
 from gradkit._src.function_gradients.call import Call, FnInfo, Kind, as_tangent, inexact, is_array, is_multi, is_number
 from gradkit._src.function_gradients.plan import Plan
 
-F = TypeVar("F", bound=Callable[..., Any])
+F = TypeVar("F", bound=Callable[..., object])
 Mode = Literal["both", "vjp"]
 
 
@@ -62,7 +62,7 @@ class _Entry:
         self.sig = sig
         self.call = call
         self.plan: Plan | None = None
-        self.jitted: Callable[..., list[Any]] = lambda *_: []
+        self.jitted: Callable[..., list[jax.Array]] = lambda *_: []
 
 
 class _Decorated:
@@ -77,7 +77,7 @@ class _Decorated:
         functools.update_wrapper(self, info.fn)
         self._info = info
         self._mode = mode
-        self._cache: LRU[Any, _Entry] = LRU(f"{info.decorator}({info.name})")
+        self._cache: LRU[Hashable, _Entry] = LRU(f"{info.decorator}({info.name})")
         self.gradkit_op_name = info.name
         pos, _ = info.params
         if pos and pos[0] == "self":
@@ -86,7 +86,7 @@ class _Decorated:
     def __set_name__(self, owner: type, name: str) -> None:
         self._info.method = True
 
-    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+    def __get__(self, instance: object, owner: type | None = None) -> _Decorated | types.MethodType:
         return self if instance is None else types.MethodType(self, instance)
 
     def __repr__(self) -> str:
@@ -97,7 +97,7 @@ class _Decorated:
         """The function's derivative as a table :class:`Rule`, to retarget another op to it."""
         return _make_rule(self._info, self._mode)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: object, **kwargs: object) -> Any:
         info = self._info
         for k, v in kwargs.items():
             if any(is_array(x) for x in jax.tree_util.tree_leaves(v)):
@@ -140,7 +140,7 @@ class _Decorated:
         entry = _Entry(sig, Call(self._info, sig, bound))
         mode = self._mode
 
-        def body(all_dyn: list[Any]) -> Any:
+        def body(all_dyn: list[jax.Array]) -> object:
             # Runs while the named op's jit traces: the traced dynamic leaves.
             plan, captured = Plan.of(entry.call, mode, all_dyn)
             entry.plan = plan
@@ -152,7 +152,7 @@ class _Decorated:
         return entry
 
 
-def _unhashable(x: Any) -> bool:
+def _unhashable(x: object) -> bool:
     try:
         args_lib.static_key(x)
     except TypeError:
@@ -167,7 +167,7 @@ def _make_rule(info: FnInfo, mode: Kind) -> Rule:
     """The decorated function's derivative as a table Rule, for retargeting another op to it."""
     rule_name = f"{info.decorator}[{info.name}]"
 
-    def prepare(op: OpView) -> tuple[Call, list[Any], Any, Callable[..., Any], list[Any]]:
+    def prepare(op: OpView) -> tuple[Call, list[jax.Array], object, Callable[..., object], list[jax.Array]]:
         if info.method:
             raise GradkitError(
                 f"{info.where} is a method: its `.rule` would need an instance for `self`. Wrap the call in "
@@ -177,13 +177,14 @@ def _make_rule(info: FnInfo, mode: Kind) -> Rule:
         outputs, closure, out = call.run(dyn)
         return call, dyn, outputs, closure, out
 
-    def to_outputs(call: Call, outputs: Any, flat: list[Any]) -> tuple[Any, ...]:
+    def to_outputs(call: Call, outputs: object, flat: Sequence[object]) -> tuple[object, ...]:
         structured = call.outputs(flat)
         return tuple(structured) if is_multi(outputs) else (structured,)
 
     if mode == "vjp":
-        def vjp_fn(op: OpView, g: Any) -> tuple[Any, ...]:
+        def vjp_fn(op: OpView, g: object) -> tuple[object, ...]:
             call, dyn, outputs, grad_fn, out = prepare(op)
+            assert call.out_tree is not None  # set by call.run
             try:
                 cts = call.out_tree.flatten_up_to(g)
             except (ValueError, TypeError) as e:
@@ -196,11 +197,12 @@ def _make_rule(info: FnInfo, mode: Kind) -> Rule:
 
         return Rule(fn=vjp_fn, mode="vjp", name=rule_name)
 
-    def jvp_fn(op: OpView, tangents: Any) -> tuple[Any, ...]:
+    def jvp_fn(op: OpView, tangents: Sequence[object]) -> tuple[object, ...]:
         call, dyn, outputs, closure, out = prepare(op)
         t_leaves = jax.tree_util.tree_structure(tuple(op.inputs)).flatten_up_to(tuple(tangents))  # type: ignore[attr-defined]
         t_dyn = [t_leaves[p] if is_array(t_leaves[p]) or is_number(t_leaves[p]) else None
                  for p in call.sig.split.dyn_pos]
+        t_out: Sequence[object]
         if mode == "both":
             converted = cl.close_grad_fn(call, closure, dyn, outputs, out, is_multi(outputs))
             try:
@@ -225,7 +227,7 @@ def _make_rule(info: FnInfo, mode: Kind) -> Rule:
 # --------------------------------------------------------------------------- decorators
 
 
-def _decorate(fn: Any, name: str | None, kind: Kind) -> Any:
+def _decorate(fn: object, name: str | None, kind: Kind) -> _Decorated:
     decorator = "custom_jvp" if kind == "jvp" else "custom_gradient"
     if not callable(fn):
         raise GradkitError(f"gk.{decorator} decorates a function, got {type(fn).__name__}.")

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from gradkit._src import compat
 from gradkit._src.core import named
@@ -69,7 +69,7 @@ class Plan:
     forward_problem: str | None  # why forward mode is unavailable (custom_gradient only)
 
     @classmethod
-    def of(cls, call: Call, mode: Kind, all_dyn: Sequence[Any]) -> tuple[Plan, list[Any]]:
+    def of(cls, call: Call, mode: Kind, all_dyn: Sequence[jax.Array]) -> tuple[Plan, list[jax.Array]]:
         """The plan and the tracers to pass after the differentiated leaves."""
         nb = call.n_bound_dyn
         bound = list(all_dyn[:nb])
@@ -78,7 +78,7 @@ class Plan:
         # Shapes only, no tracer: the plan outlives this trace.
         box: list[tuple[cl.ClosureStatic, list[jax.ShapeDtypeStruct]]] = []
 
-        def residuals(*d: Any) -> list[Any]:
+        def residuals(*d: jax.Array) -> list[jax.Array]:
             outputs, closure, out = call.run([*bound, *d])
             if call.info.kind == "jvp":
                 converted = cl.close_jvp_fn(call, closure, d, outputs, out)
@@ -88,7 +88,7 @@ class Plan:
             return converted.captured
 
         res_fn: cl.JaxprFn | None = None
-        cap_r: list[Any] = []
+        cap_r: list[jax.Array] = []
         error: BaseException | None = None
         try:
             res_fn, cap_r = cl.JaxprFn.trace(residuals, structs)
@@ -117,7 +117,7 @@ class Plan:
     def n_captured(self) -> int:
         return self.n_primal + self.n_residual
 
-    def split(self, args: Sequence[Any]) -> tuple[list[Any], list[Any], list[Any]]:
+    def split(self, args: Sequence[jax.Array]) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
         args = list(args)
         n, n_p = self.n_dyn, self.n_primal
         return args[:n], args[n:n + n_p], args[n + n_p:]
@@ -135,11 +135,11 @@ class Plan:
                 "arguments: pass that value as an argument (and give its gradient), or wrap it in "
                 "jax.lax.stop_gradient if it needs none.")
 
-    def run_primal(self, *args: Any) -> list[Any]:
+    def run_primal(self, *args: jax.Array) -> list[jax.Array]:
         dyn, cap_p, _ = self.split(args)
         return self.primal(cap_p, dyn)
 
-    def closure_at(self, args: Sequence[Any]) -> cl.Closure:
+    def closure_at(self, args: Sequence[jax.Array]) -> cl.Closure:
         dyn, _, cap_r = self.split(args)
         assert self.residuals is not None and self.closure is not None
         return cl.Closure(self.closure, self.residuals(cap_r, dyn))
@@ -148,7 +148,7 @@ class Plan:
     def closure_name(self) -> str:
         return "jvp_fn" if self.kind == "jvp" else "grad_fn"
 
-    def function(self) -> Callable[..., list[Any]]:
+    def function(self) -> Callable[..., Sequence[jax.Array | np.ndarray]]:
         """The op as a jax.custom_jvp or jax.custom_vjp of (differentiated leaves, captured values)."""
         name = f"{'custom_jvp' if self.kind == 'jvp' else 'custom_gradient'}[{self.sig.name}]"
         if self.kind == "jvp" or (self.forward_problem is None and self.error is None):
@@ -165,38 +165,39 @@ class Plan:
             "with gk.custom_jvp.")
 
 
-def _custom_vjp(plan: Plan, op_name: str) -> Callable[..., list[Any]]:
-    def op(*args: Any) -> list[Any]:
+def _custom_vjp(plan: Plan, op_name: str) -> Callable[..., list[jax.Array]]:
+    def op(*args: jax.Array) -> list[jax.Array]:
         return plan.run_primal(*args)
 
     op.__name__ = op.__qualname__ = op_name
     prim = jax.custom_vjp(op)
 
-    def fwd(*args: Any) -> tuple[list[Any], cl.Closure]:
+    def fwd(*args: jax.custom_derivatives.CustomVJPPrimal) -> tuple[list[jax.Array], cl.Closure]:
         plan.check([a.perturbed for a in args])
         vals = [a.value for a in args]
         out = prim(*vals)  # the custom function again: its rule holds at the next order too
         return out, plan.closure_at(vals)
 
-    def bwd(closure: cl.Closure, cts: Sequence[Any]) -> tuple[Any, ...]:
+    def bwd(closure: cl.Closure, cts: Sequence[jax.Array | SymbolicZero]) -> tuple[jax.Array | None, ...]:
         none = [None] * plan.n_captured
         if all(is_zero(c) for c in cts):
             return (*([None] * plan.n_dyn), *none)
-        cts = [jnp.zeros(c.shape, c.dtype) if isinstance(c, SymbolicZero) else c for c in cts]
-        return (*closure(cts), *none)
+        dense = [jnp.zeros(c.shape, c.dtype) if isinstance(c, SymbolicZero) else c for c in cts]
+        return (*closure(dense), *none)
 
     prim.defvjp(fwd, bwd, symbolic_zeros=True)
     return prim
 
 
-def _custom_jvp(plan: Plan, op_name: str) -> Callable[..., list[Any]]:
-    def op(*args: Any) -> list[Any]:
+def _custom_jvp(plan: Plan, op_name: str) -> Callable[..., Sequence[jax.Array | np.ndarray]]:
+    def op(*args: jax.Array) -> Sequence[jax.Array | np.ndarray]:
         return plan.run_primal(*args)
 
     op.__name__ = op.__qualname__ = op_name
     prim = jax.custom_jvp(op)
 
-    def jvp(primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> tuple[list[Any], list[Any]]:
+    def jvp(primals: tuple[jax.Array, ...], tangents: tuple[jax.Array | SymbolicZero, ...],
+            ) -> tuple[Sequence[jax.Array | np.ndarray], list[jax.Array | np.ndarray]]:
         plan.check([not isinstance(t, SymbolicZero) for t in tangents])
         out = prim(*primals)  # the custom function again: its rule holds at the next order too
         closure = plan.closure_at(primals)
