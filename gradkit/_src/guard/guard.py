@@ -73,14 +73,16 @@ import dataclasses
 import functools
 import logging
 import threading
+import types
 import weakref
-from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, Literal, ParamSpec, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.typing import ArrayLike
 
 from gradkit._src import compat
 from gradkit._src.audit.audit import audit
@@ -88,7 +90,7 @@ from gradkit._src.audit.report import AuditReport
 from gradkit._src.checks.describe import def_source, fmt, fn_name, one_line
 from gradkit._src.core.args import Split, partition
 from gradkit._src.errors import GradkitError
-from gradkit._src.guard.host import all_finite, bad_elements, bad_indices, depend, report_if_bad
+from gradkit._src.guard.host import Levels, all_finite, bad_elements, bad_indices, depend, report_if_bad
 
 __all__ = ["Guard", "GuardReport", "NonFiniteGradientError", "guard"]
 
@@ -102,6 +104,9 @@ _UNWRAP_HINT = ("[gradkit] JAX delivers an error raised inside a compiled step a
                 "stack first; run the steps inside `with guard:` (your gk.guard object) or call the step through "
                 "guard.wrap(step) to get this gradkit.NonFiniteGradientError itself.")
 
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 class NonFiniteGradientError(GradkitError, FloatingPointError):
     """The loss or a gradient of a guarded call is NaN or inf (``on_nonfinite="raise"``).
@@ -182,7 +187,7 @@ class GuardReport:
         return "\n".join(lines)
 
 
-def guard(loss_fn: Callable[..., Any], *, argnums: int | Sequence[int] = 0, has_aux: bool = False,
+def guard(loss_fn: Callable[..., object], *, argnums: int | Sequence[int] = 0, has_aux: bool = False,
           on_nonfinite: str = "raise", max_reports: int = MAX_REPORTS) -> Guard:
     """``jax.value_and_grad(loss_fn, argnums, has_aux)`` that audits its first non-finite steps.
 
@@ -268,14 +273,14 @@ def guard(loss_fn: Callable[..., Any], *, argnums: int | Sequence[int] = 0, has_
     return Guard(loss_fn, argnums=argnums, has_aux=has_aux, on_nonfinite=on_nonfinite, max_reports=max_reports)
 
 
-def _check_argnums(argnums: Any, name: str) -> int | tuple[int, ...]:
-    ok = (isinstance(argnums, int) and not isinstance(argnums, bool)) or (
-        isinstance(argnums, (tuple, list)) and argnums and
-        all(isinstance(a, int) and not isinstance(a, bool) for a in argnums))
-    if not ok:
-        raise GradkitError(f"guard({name}): argnums must be an int or a non-empty tuple of ints, as in "
-                           f"jax.value_and_grad, got {argnums!r}.")
-    return tuple(argnums) if isinstance(argnums, (tuple, list)) else argnums
+def _check_argnums(argnums: object, name: str) -> int | tuple[int, ...]:
+    if isinstance(argnums, int) and not isinstance(argnums, bool):
+        return argnums
+    if isinstance(argnums, (tuple, list)) and argnums and \
+            all(isinstance(a, int) and not isinstance(a, bool) for a in argnums):
+        return tuple(argnums)
+    raise GradkitError(f"guard({name}): argnums must be an int or a non-empty tuple of ints, as in "
+                       f"jax.value_and_grad, got {argnums!r}.")
 
 
 class Guard:
@@ -298,7 +303,7 @@ class Guard:
 
     step_errors: tuple[type[BaseException], ...] = (jax.errors.JaxRuntimeError, ValueError, NonFiniteGradientError)
 
-    def __init__(self, fn: Callable[..., Any], *, argnums: int | Sequence[int] = 0, has_aux: bool = False,
+    def __init__(self, fn: Callable[..., object], *, argnums: int | Sequence[int] = 0, has_aux: bool = False,
                  on_nonfinite: str = "raise", max_reports: int = MAX_REPORTS):
         if not callable(fn):
             raise GradkitError(f"guard: expected a loss function, got {type(fn).__name__} {fn!r}.")
@@ -323,8 +328,8 @@ class Guard:
         self._idle = threading.Condition(self._lock)  # notified when no host callback is running
         self._in_callback = 0
         self._reports: list[GuardReport] = []
-        self._report_of: dict[tuple[Any, ...], int] = {}  # birth places -> index in _reports
-        self._pending: list[concurrent.futures.Future[Any]] = []  # audits in flight (max_reports at most)
+        self._report_of: dict[tuple[Hashable, ...], int] = {}  # birth places -> index in _reports
+        self._pending: list[concurrent.futures.Future[GuardReport]] = []  # audits in flight (max_reports at most)
         self._raised: collections.deque[NonFiniteGradientError] = collections.deque(maxlen=_KEPT_ERRORS)
         self._calls = 0
         self._bad_calls = 0
@@ -389,7 +394,8 @@ class Guard:
     def __enter__(self) -> Guard:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> Literal[False]:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: types.TracebackType | None) -> Literal[False]:
         """Re-raises the guard's :class:`NonFiniteGradientError` in place of the error JAX made of it."""
         error = self._unwrap(exc)
         if error is None:
@@ -397,7 +403,7 @@ class Guard:
         # JAX's traceback: where in the block it raised (the step's call, or the first use of its results)
         raise error.with_traceback(tb) from None
 
-    def wrap(self, step: Callable[..., Any]) -> Callable[..., Any]:
+    def wrap(self, step: Callable[_P, _R]) -> Callable[_P, _R]:
         """``step`` (your jitted training step) raising the guard's own :class:`NonFiniteGradientError`.
 
         A compiled step can only fail with the error JAX makes of the host
@@ -428,7 +434,7 @@ class Guard:
         wait = self.on_nonfinite == "raise"
 
         @functools.wraps(step)
-        def guarded_step(*args: Any, **kwargs: Any) -> Any:
+        def guarded_step(*args: _P.args, **kwargs: _P.kwargs) -> _R:
             with self:
                 out = step(*args, **kwargs)
                 return jax.block_until_ready(out) if wait else out
@@ -455,7 +461,7 @@ class Guard:
 
     # ------------------------------------------------------------------ the call
 
-    def _checked(self, *args: Any, **kwargs: Any) -> Any:
+    def _checked(self, *args: object, **kwargs: object) -> object:
         out = self.fn(*args, **kwargs)
         loss = out
         where = f"{self._name}" + (f" (defined at {self._source})" if self._source else "")
@@ -474,7 +480,7 @@ class Guard:
                                f"returned {dtype}.")
         return out
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: object, **kwargs: object) -> tuple[Any, Any]:
         value, grads = jax.value_and_grad(self._checked, self.argnums, self.has_aux)(*args, **kwargs)
         loss = value[0] if self.has_aux else value
         leaves = [loss, *jax.tree_util.tree_leaves(grads)]
@@ -491,7 +497,8 @@ class Guard:
         loss = depend(ok, loss)
         return ((loss, value[1]) if self.has_aux else loss), grads
 
-    def _eager(self, value: Any, grads: Any, leaves: list[Any], split: Split, dyn: list[Any]) -> Any:
+    def _eager(self, value: object, grads: object, leaves: list[jax.Array], split: Split,
+               dyn: list[ArrayLike]) -> tuple[Any, Any]:
         with self._lock:
             self._calls += 1
             call = self._calls
@@ -522,12 +529,12 @@ class Guard:
             self._audits += audits
             return self._bad_calls, audits
 
-    def _unaudited(self, call: int | None, index: tuple[int, ...], loss: Any, number: int) -> str:
+    def _unaudited(self, call: int | None, index: tuple[int, ...], loss: ArrayLike, number: int) -> str:
         headline = GuardReport(call, index, _fmt_loss(loss), None).headline
         return (f"{headline}. Not audited: this guard audits its first max_reports={self.max_reports} bad "
                 f"call(s) (read guard.reports); this is bad call {number}.")
 
-    def _on_bad(self, split: Split, keys: tuple[Any, ...], levels: Any, ok: np.ndarray, loss: np.ndarray,
+    def _on_bad(self, split: Split, keys: tuple[Hashable | None, ...], levels: Levels, ok: np.ndarray, loss: np.ndarray,
                 leaves: Sequence[np.ndarray]) -> NonFiniteGradientError | None:
         """In the callback: count the call, copy the bad elements to audit and queue their audits.
 
@@ -559,8 +566,9 @@ class Guard:
             f"the audit did not finish within {_WAIT_S:.0f} s; it goes on in the background: read guard.reports.")
         return NonFiniteGradientError(_message(self._name, reports, text), reports)
 
-    def _submit(self, split: Split, keys: tuple[Any, ...], levels: Any, indices: Sequence[tuple[int, ...]],
-                leaves: Sequence[np.ndarray], note: str) -> list[concurrent.futures.Future[GuardReport]]:
+    def _submit(self, split: Split, keys: tuple[Hashable | None, ...], levels: Levels,
+                indices: Sequence[tuple[int, ...]], leaves: Sequence[np.ndarray],
+                note: str) -> list[concurrent.futures.Future[GuardReport]]:
         """Queues the audit of each element at ``indices``, from host copies of its leaves."""
         futures = []
         for k, (index, (loss_i, *leaves_i)) in enumerate(zip(indices, bad_elements(levels, indices, leaves))):
@@ -570,12 +578,12 @@ class Guard:
         return futures
 
     def _audit_and_keep(self, call: int | None, index: tuple[int, ...], loss: np.ndarray, split: Split,
-                        dyn: list[Any], note: str) -> GuardReport:
+                        dyn: Sequence[ArrayLike], note: str) -> GuardReport:
         report, key = self._audit(call, index, loss, split, dyn, note)
         self._keep(report, key)
         return report
 
-    def _keep(self, report: GuardReport, key: tuple[Any, ...]) -> None:
+    def _keep(self, report: GuardReport, key: tuple[Hashable, ...]) -> None:
         """Adds ``report``, or counts it in the earlier report whose NaN was born at the same places."""
         with self._lock:
             i = self._report_of.get(key)
@@ -585,17 +593,17 @@ class Guard:
             else:
                 self._reports[i] = dataclasses.replace(self._reports[i], repeats=self._reports[i].repeats + 1)
 
-    def _audit(self, call: int | None, index: tuple[int, ...], loss: Any, split: Split, dyn: list[Any],
-               note: str = "") -> tuple[GuardReport, tuple[Any, ...]]:
+    def _audit(self, call: int | None, index: tuple[int, ...], loss: ArrayLike, split: Split,
+               dyn: Sequence[ArrayLike], note: str = "") -> tuple[GuardReport, tuple[Hashable, ...]]:
         """The report of the loss at ``dyn`` (host copies), and the key of where its NaN was born."""
         args, kwargs = split.combine(dyn)
         fn = self.fn
         has_aux = self.has_aux
 
         @functools.wraps(fn)
-        def scalar_loss(*a: Any) -> Any:
+        def scalar_loss(*a: object) -> object:
             out = fn(*a, **kwargs)
-            return out[0] if has_aux else out
+            return cast(Sequence[object], out)[0] if has_aux else out  # (loss, aux): checked by _checked
 
         result: AuditReport | None = None
         failure = ""
@@ -614,7 +622,7 @@ class Guard:
                                "gradients per device), or from the device or XLA's fusion "
                                "of the compiled step.")
         if result is None:
-            key: tuple[Any, ...] = ("no audit", failure)
+            key: tuple[Hashable, ...] = ("no audit", failure)
         elif result.findings:
             key = ("born at", *sorted({(f.op, f.location) for f in result.findings}))
         else:
@@ -622,8 +630,8 @@ class Guard:
         return GuardReport(call, index, _fmt_loss(loss), result, note), key
 
 
-def _host(ref: Any, split: Split, keys: tuple[Any, ...], levels: Any, ok: np.ndarray, loss: np.ndarray,
-          *leaves: np.ndarray) -> BaseException | None:
+def _host(ref: weakref.ref[Guard], split: Split, keys: tuple[Hashable | None, ...], levels: Levels,
+          ok: np.ndarray, loss: np.ndarray, *leaves: np.ndarray) -> BaseException | None:
     g = ref()
     if g is None:
         return None
@@ -652,7 +660,7 @@ def _message(name: str, reports: Sequence[GuardReport], text: str) -> str:
     return f"guard({name}): {text}"
 
 
-def _key_impl(x: Any) -> Any:
+def _key_impl(x: ArrayLike) -> Hashable | None:
     """The PRNG implementation of a typed key array (its data crosses to the host), else None."""
     dtype = getattr(x, "dtype", None)
     if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
@@ -660,23 +668,23 @@ def _key_impl(x: Any) -> Any:
     return None
 
 
-def _wrap_key(data: np.ndarray, impl: Any) -> Any:
+def _wrap_key(data: np.ndarray, impl: Hashable) -> jax.Array:
     """Key data back as a key array, on the CPU device the audit runs on."""
     return jax.random.wrap_key_data(jax.device_put(data, jax.devices("cpu")[0]), impl=impl)
 
 
-def _host_copy(x: Any) -> Any:
+def _host_copy(x: ArrayLike) -> ArrayLike:
     if _key_impl(x) is not None:
         return x
     return np.array(x, copy=True) if isinstance(x, (jax.Array, np.ndarray, np.generic)) else x
 
 
-def _fmt_loss(loss: Any) -> str:
+def _fmt_loss(loss: ArrayLike) -> str:
     a = np.asarray(loss)
     return fmt(a.reshape(-1)[0]) if a.size == 1 else str(a)
 
 
-def _nonfinite(loss: Any) -> bool:
+def _nonfinite(loss: ArrayLike) -> bool:
     a = np.asarray(loss)
     return a.dtype.kind in "fc" and not bool(np.all(np.isfinite(a)))
 

@@ -17,12 +17,13 @@ is bad.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TypeAlias
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.typing import ArrayLike
 
 from gradkit._src import compat
 
@@ -32,9 +33,11 @@ from gradkit._src import compat
 # None: the callback raises it once its own references to the leaves are gone, so that the traceback
 # an exception keeps holds none of the step's inputs.
 Host = Callable[..., BaseException | None]
+# Per vmap level (innermost first), which leaves are batched there.
+Levels: TypeAlias = tuple[tuple[bool, ...], ...]
 
 
-def all_finite(leaves: Sequence[Any]) -> Any:
+def all_finite(leaves: Sequence[ArrayLike]) -> jax.Array:
     """One boolean scalar: every element of every inexact leaf is finite.
 
     ``any(~isfinite(x))`` per leaf, an OR reduction that XLA fuses with the
@@ -50,7 +53,7 @@ def all_finite(leaves: Sequence[Any]) -> Any:
     return ~(bad[0] if len(bad) == 1 else jnp.any(jnp.stack(bad)))
 
 
-def _reporter(host: Host, levels: tuple[tuple[bool, ...], ...]) -> Callable[..., Any]:
+def _reporter(host: Host, levels: Levels) -> Callable[..., jax.Array]:
     """``report(ok, *leaves) -> ok``: calls ``host`` iff some flag in ``ok`` is False."""
 
     def on_host(ok: np.ndarray, *leaves: np.ndarray) -> np.ndarray:
@@ -62,7 +65,7 @@ def _reporter(host: Host, levels: tuple[tuple[bool, ...], ...]) -> Callable[...,
             raise error
         return flags
 
-    def call_host(ok: Any, *leaves: Any) -> Any:
+    def call_host(ok: jax.Array, *leaves: jax.Array) -> jax.Array:
         # No JAX effect (an io_callback's costs every call of the step 0.2-0.5 ms of dispatch): a pure
         # callback, whose flag every result depends on for JAX, that XLA keeps by its side-effect flag
         # (compat.kept_callback), since XLA folds the dependence away (see depend).
@@ -70,11 +73,12 @@ def _reporter(host: Host, levels: tuple[tuple[bool, ...], ...]) -> Callable[...,
         return ok & flag  # (the same flags) typed as ok: inside shard_map ok varies over the mesh, flag does not
 
     @jax.custom_batching.custom_vmap
-    def report(ok: Any, *leaves: Any) -> Any:
+    def report(ok: jax.Array, *leaves: jax.Array) -> jax.Array:
         return lax.cond(jnp.all(ok), lambda o, *a: o, call_host, ok, *leaves)
 
     @report.def_vmap
-    def _batched(axis_size: int, in_batched: Sequence[bool], ok: Any, *leaves: Any) -> tuple[Any, bool]:
+    def _batched(axis_size: int, in_batched: Sequence[bool], ok: jax.Array, *leaves: jax.Array,
+                 ) -> tuple[jax.Array, bool]:
         ok_batched, leaf_batched = in_batched[0], tuple(bool(b) for b in in_batched[1:])
         if not ok_batched:
             ok = jnp.broadcast_to(ok, (axis_size, *np.shape(ok)))
@@ -84,7 +88,7 @@ def _reporter(host: Host, levels: tuple[tuple[bool, ...], ...]) -> Callable[...,
     return report
 
 
-def report_if_bad(host: Host, ok: Any, leaves: Sequence[Any]) -> Any:
+def report_if_bad(host: Host, ok: jax.Array, leaves: Sequence[ArrayLike]) -> jax.Array:
     """Calls ``host(levels, ok, *leaves)`` on the host when ``ok`` is False; returns ``ok``.
 
     The step fails with the exception ``host`` returns, if any.
@@ -96,7 +100,7 @@ def report_if_bad(host: Host, ok: Any, leaves: Sequence[Any]) -> Any:
     return _reporter(host, ())(ok, *leaves)
 
 
-def depend(ok: Any, x: Any, zero: bool = False) -> Any:
+def depend(ok: jax.Array, x: ArrayLike, zero: bool = False) -> jax.Array:
     """``x`` for JAX's dead-code elimination a result of the flag ``ok``; zeros where ``ok`` is False if ``zero``.
 
     Without ``zero`` it is ``select(ok, x, x)``: JAX keeps the check and the
@@ -124,7 +128,7 @@ def bad_indices(ok: np.ndarray) -> list[tuple[int, ...]]:
     return [tuple(int(i) for i in index) for index in zip(*np.nonzero(~flags))]
 
 
-def bad_elements(levels: tuple[tuple[bool, ...], ...], indices: Sequence[tuple[int, ...]],
+def bad_elements(levels: Levels, indices: Sequence[tuple[int, ...]],
                  leaves: Sequence[np.ndarray]) -> list[list[np.ndarray]]:
     """Host copies of the leaves of the batch elements at ``indices`` (see :func:`bad_indices`), and no others.
 
