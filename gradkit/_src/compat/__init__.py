@@ -43,6 +43,7 @@ from gradkit._src.compat.jaxprs import (
     NAMED_OP_PREFIX,
     AbstractValue,
     ArrayImpl,
+    Atom,
     ClosedJaxpr,
     Jaxpr,
     JaxprEqn,
@@ -110,7 +111,7 @@ __all__ = [
     # callbacks
     "CALLBACK_LOGGER", "kept_callback", "kept_callback_p",
     # jaxprs
-    "AbstractValue", "ArrayImpl", "ClosedJaxpr", "Literal", "Primitive", "ShapedArray", "Var",
+    "AbstractValue", "ArrayImpl", "Atom", "ClosedJaxpr", "Literal", "Primitive", "ShapedArray", "Var",
     "CONCRETIZATION_ERRORS", "CUSTOM_VJP_PRIMITIVES", "FUNCTION_PREFIX", "JAX_VERSION", "Jaxpr",
     "JaxprEqn", "NAMED_OP_PREFIX", "Tracer", "add_note", "aval_of", "bind", "bind_primitive", "body_context",
     "call_equation", "cond_layout", "detach_consts", "eqn_name", "eval_jaxpr", "eval_open", "float0_zeros",

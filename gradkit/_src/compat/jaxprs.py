@@ -29,6 +29,8 @@ Literal = jex_core.Literal
 Primitive = jex_core.Primitive
 JaxprEqn = jex_core.JaxprEqn
 Var = jex_core.Var
+# An equation's operand: a variable or a literal.
+Atom = Var | Literal
 AbstractValue = jax.core.AbstractValue
 ShapedArray = jax.core.ShapedArray
 Tracer = jax.core.Tracer
