@@ -1,9 +1,11 @@
-"""Gradient-based attribution on unmodified models: saliency, gradient × input, Guided Backprop, DeconvNet.
+"""Attribution on unmodified models: saliency, gradient × input, Guided Backprop, DeconvNet, LRP.
 
 Each method explains one output of a model (a class) at an input, as a map
 shaped like the input; Guided Backprop and DeconvNet are rule tables
 (:data:`GUIDED_BACKPROP`, :data:`DECONVNET`) over ``jax.nn.relu``, so they
-reach every ReLU of a Flax or Equinox model without editing it.
+reach every ReLU of a Flax or Equinox model without editing it. :func:`lrp`
+is Layer-wise Relevance Propagation with Zennit's rules and composites, on the
+layers it finds by dataflow in the model's program.
 
 Examples:
   >>> import jax, jax.numpy as jnp, gradkit as gk
@@ -18,5 +20,50 @@ from gradkit._src.attribution.attribution import deconvnet as deconvnet
 from gradkit._src.attribution.attribution import gradient as gradient
 from gradkit._src.attribution.attribution import gradient_x_input as gradient_x_input
 from gradkit._src.attribution.attribution import guided_backprop as guided_backprop
+from gradkit._src.attribution.lrp import EPSILON_ALPHA2_BETA1 as EPSILON_ALPHA2_BETA1
+from gradkit._src.attribution.lrp import EPSILON_ALPHA2_BETA1_FLAT as EPSILON_ALPHA2_BETA1_FLAT
+from gradkit._src.attribution.lrp import EPSILON_GAMMA_BOX as EPSILON_GAMMA_BOX
+from gradkit._src.attribution.lrp import EPSILON_PLUS as EPSILON_PLUS
+from gradkit._src.attribution.lrp import EPSILON_PLUS_FLAT as EPSILON_PLUS_FLAT
+from gradkit._src.attribution.lrp import KINDS as KINDS
+from gradkit._src.attribution.lrp import Composite as Composite
+from gradkit._src.attribution.lrp import lrp as lrp
+from gradkit._src.attribution.lrp_rules import LrpRule as LrpRule
+from gradkit._src.attribution.lrp_rules import alpha_beta as alpha_beta
+from gradkit._src.attribution.lrp_rules import epsilon as epsilon
+from gradkit._src.attribution.lrp_rules import flat as flat
+from gradkit._src.attribution.lrp_rules import gamma as gamma
+from gradkit._src.attribution.lrp_rules import gradient_rule as gradient_rule
+from gradkit._src.attribution.lrp_rules import norm as norm
+from gradkit._src.attribution.lrp_rules import pass_through as pass_through
+from gradkit._src.attribution.lrp_rules import w_square as w_square
+from gradkit._src.attribution.lrp_rules import zbox as zbox
+from gradkit._src.attribution.lrp_rules import zplus as zplus
 
-__all__ = ["DECONVNET", "GUIDED_BACKPROP", "deconvnet", "gradient", "gradient_x_input", "guided_backprop"]
+__all__ = [
+    "Composite",
+    "DECONVNET",
+    "EPSILON_ALPHA2_BETA1",
+    "EPSILON_ALPHA2_BETA1_FLAT",
+    "EPSILON_GAMMA_BOX",
+    "EPSILON_PLUS",
+    "EPSILON_PLUS_FLAT",
+    "GUIDED_BACKPROP",
+    "KINDS",
+    "LrpRule",
+    "alpha_beta",
+    "deconvnet",
+    "epsilon",
+    "flat",
+    "gamma",
+    "gradient",
+    "gradient_rule",
+    "gradient_x_input",
+    "guided_backprop",
+    "lrp",
+    "norm",
+    "pass_through",
+    "w_square",
+    "zbox",
+    "zplus",
+]

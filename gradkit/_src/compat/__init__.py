@@ -25,6 +25,9 @@ gradkit imports ``gradkit._src.compat`` and nothing from ``jax._src``.
   gradkit defines, with its own JVP, transpose, batching and lowering rules.
   Registering rules for gradkit's own primitive is extension; no rule of a
   JAX primitive is touched (``tests/test_side_effects.py`` checks it).
+* :mod:`~gradkit._src.compat.layers` — a model's dense/conv layers (with their
+  bias add), pooling and activations found by dataflow in its traced program,
+  and that program run with each layer computed by a callback (LRP's rules).
 * :mod:`~gradkit._src.compat.callbacks` — the logger JAX reports a failing
   host callback on (``gk.guard``'s raise mode keeps its own exception off it).
 """
@@ -92,6 +95,12 @@ from gradkit._src.compat.jaxprs import (
     type_key,
     while_layout,
 )
+from gradkit._src.compat.layers import (
+    ACTIVATION_FUNCTIONS,
+    LAYER_KINDS,
+    Layer,
+    run_layers,
+)
 from gradkit._src.compat.primitive import (
     OWN_PRIMITIVES,
     match_varying,
@@ -120,6 +129,8 @@ __all__ = [
     "primitive_by_name", "read_atom", "register_cache", "replace_eqns", "rule_registries_snapshot",
     "rule_target", "rule_wrapper_name", "scan_layout", "single_equation", "struct_like", "struct_of", "trace",
     "trace_avals", "trace_context", "trace_jit", "type_key", "while_layout",
+    # layers
+    "ACTIVATION_FUNCTIONS", "LAYER_KINDS", "Layer", "run_layers",
     # primitive
     "OWN_PRIMITIVES", "match_varying", "safe_scale", "safe_scale_p",
     # source

@@ -1,0 +1,242 @@
+"""Layer-wise Relevance Propagation on unmodified models: :func:`lrp` and Zennit's composites.
+
+A **composite** maps a layer kind to the :class:`~.lrp_rules.LrpRule` that
+layer passes relevance back by. Kinds (found by dataflow, see
+``compat/layers.py``): ``"dense"``, ``"conv"``, ``"avg_pool"``,
+``"max_pool"``, ``"activation"``, and two that name one layer:
+``"first"`` (the first dense or conv layer, in program order) and
+``"first_conv"`` (the first conv layer, when ``"first"`` did not take it).
+:func:`lrp` traces the model once, then runs its program with each layer
+wrapped in a ``jax.custom_vjp`` whose backward pass is its rule, and pulls
+the one-hot (or given) output cotangent back to the input. Everything else
+(reshapes, the flatten, a residual add) keeps its gradient, as in Zennit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from gradkit._src import compat
+from gradkit._src.attribution.attribution import _cotangent
+from gradkit._src.attribution.lrp_rules import (
+    LrpRule,
+    alpha_beta,
+    epsilon,
+    flat,
+    gamma,
+    gradient_rule,
+    norm,
+    pass_through,
+    zbox,
+    zplus,
+)
+from gradkit._src.errors import GradkitError
+
+__all__ = ["EPSILON_ALPHA2_BETA1", "EPSILON_ALPHA2_BETA1_FLAT", "EPSILON_GAMMA_BOX", "EPSILON_PLUS",
+           "EPSILON_PLUS_FLAT", "KINDS", "Composite", "lrp"]
+
+#: the keys a composite may have.
+KINDS: tuple[str, ...] = (*compat.LAYER_KINDS, "first", "first_conv")
+
+
+class Composite(Mapping[str, LrpRule]):
+    """An immutable mapping from layer kind to LRP rule; ``|`` merges (the right side wins).
+
+    Examples:
+      >>> import gradkit as gk
+      >>> c = gk.attribution.EPSILON_PLUS | {"dense": gk.attribution.epsilon(0.25)}
+      >>> c["dense"], c["conv"]
+      (epsilon(eps=0.25), zplus(stabilizer=1e-06))
+    """
+
+    __slots__ = ("_rules",)
+
+    def __init__(self, rules: Mapping[str, LrpRule] | None = None, /, **kw: LrpRule) -> None:
+        merged = {**(rules or {}), **kw}
+        for kind, rule in merged.items():
+            if kind not in KINDS:
+                raise GradkitError(f"attribution.Composite: unknown layer kind {kind!r}; the kinds are "
+                                   f"{', '.join(map(repr, KINDS))}.")
+            if not isinstance(rule, LrpRule):
+                raise GradkitError(f"attribution.Composite: the rule for {kind!r} must be an LRP rule such as "
+                                   f"gk.attribution.epsilon(1e-6), got {type(rule).__name__} {rule!r}.")
+        self._rules: dict[str, LrpRule] = merged
+
+    def __getitem__(self, kind: str) -> LrpRule:
+        return self._rules[kind]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._rules)
+
+    def __len__(self) -> int:
+        return len(self._rules)
+
+    def __or__(self, other: Mapping[str, LrpRule]) -> Composite:
+        if not isinstance(other, Mapping):
+            return NotImplemented
+        return Composite({**self._rules, **other})
+
+    def __ror__(self, other: Mapping[str, LrpRule]) -> Composite:
+        if not isinstance(other, Mapping):
+            return NotImplemented
+        return Composite({**other, **self._rules})
+
+    def __repr__(self) -> str:
+        return "Composite({" + ", ".join(f"{k!r}: {v!r}" for k, v in self._rules.items()) + "})"
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self._rules.items(), key=lambda kv: kv[0])))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Mapping) and dict(self.items()) == dict(other.items())
+
+
+def _base(stabilizer: float) -> dict[str, LrpRule]:
+    # Zennit's layer_map_base: activations pass relevance through, average pooling is Norm; max pooling has no
+    # rule there, so it keeps its gradient.
+    return {"activation": pass_through(), "avg_pool": norm(stabilizer), "max_pool": gradient_rule()}
+
+
+#: Zennit's ``EpsilonPlus``: z⁺ for conv layers, ε for dense layers.
+EPSILON_PLUS: Composite = Composite(_base(1e-6) | {"conv": zplus(1e-6), "dense": epsilon(1e-6)})
+#: Zennit's ``EpsilonPlusFlat``: :data:`EPSILON_PLUS` with the flat rule for the first (dense or conv) layer.
+EPSILON_PLUS_FLAT: Composite = EPSILON_PLUS | {"first": flat(1e-6)}
+#: Zennit's ``EpsilonAlpha2Beta1``: α=2, β=1 for conv layers, ε for dense layers.
+EPSILON_ALPHA2_BETA1: Composite = Composite(_base(1e-6) | {"conv": alpha_beta(2, 1, 1e-6), "dense": epsilon(1e-6)})
+#: Zennit's ``EpsilonAlpha2Beta1Flat``: :data:`EPSILON_ALPHA2_BETA1` with the flat rule for the first layer.
+EPSILON_ALPHA2_BETA1_FLAT: Composite = EPSILON_ALPHA2_BETA1 | {"first": flat(1e-6)}
+
+
+def EPSILON_GAMMA_BOX(low: Any, high: Any, *, epsilon_: float = 1e-6, gamma_: float = 0.25,  # noqa: N802
+                      stabilizer: float = 1e-6) -> Composite:
+    """Zennit's ``EpsilonGammaBox``: z^B (``low <= x <= high``) for the first conv layer, γ for the other conv
+    layers, ε for dense layers.
+
+    Examples:
+      >>> import gradkit as gk
+      >>> gk.attribution.EPSILON_GAMMA_BOX(-1.0, 1.0)["first_conv"]
+      zbox(low=-1.0, high=1.0, stabilizer=1e-06)
+    """
+    return Composite(_base(stabilizer) | {"conv": gamma(gamma_, stabilizer), "dense": epsilon(epsilon_),
+                                          "first_conv": zbox(low, high, stabilizer)})
+
+
+def _rule_for(composite: Mapping[str, LrpRule], layer: compat.Layer, seen: dict[str, bool]) -> LrpRule:
+    kind = layer.kind
+    keys: list[str] = []
+    if kind in ("dense", "conv"):
+        if not seen["first"]:
+            seen["first"] = True
+            keys.append("first")
+        if kind == "conv" and not seen["first_conv"]:
+            if "first" not in keys or "first" not in composite:
+                seen["first_conv"] = True
+                keys.append("first_conv")
+    keys.append(kind)
+    for key in keys:
+        if key in composite:
+            return composite[key]
+    where = f" at {layer.source}" if layer.source else ""
+    raise GradkitError(
+        f"attribution.lrp: the composite has no rule for {kind!r} layers, and the model has one ({layer.name}"
+        f"{where}); add one, e.g. composite | {{{kind!r}: gk.attribution."
+        f"{'epsilon(1e-6)' if kind in ('dense', 'conv') else 'norm()' if kind == 'avg_pool' else 'pass_through()' if kind == 'activation' else 'gradient_rule()'}"
+        f"}}.")
+
+
+def _apply(rule: LrpRule, layer: compat.Layer, x: jax.Array) -> jax.Array:
+    if rule.plain:
+        return layer.apply(x, *layer.params)
+    if rule.needs_weight and layer.kind not in ("dense", "conv"):
+        raise GradkitError(f"attribution.lrp: the {rule.name} rule modifies weights, but {layer.kind!r} layers "
+                           f"({layer.name}) have none; give that kind a rule such as gk.attribution.norm() or "
+                           f"gk.attribution.gradient_rule().")
+    params = layer.params
+
+    @jax.custom_vjp
+    def unit(v: jax.Array, *ps: Any) -> jax.Array:
+        return layer.apply(v, *ps)
+
+    def fwd(v: jax.Array, *ps: Any) -> tuple[jax.Array, tuple[Any, ...]]:
+        return layer.apply(v, *ps), (v, ps)
+
+    def bwd(res: tuple[Any, ...], r: jax.Array) -> tuple[Any, ...]:
+        v, ps = res
+        bound = compat.Layer(kind=layer.kind, name=layer.name, index=layer.index, params=ps, apply=layer.apply,
+                             source=layer.source, nonnegative_input=layer.nonnegative_input)
+        rin = rule.relevance(bound, v, r)
+        if jnp.shape(rin) != jnp.shape(v):
+            raise GradkitError(f"attribution.lrp: the {rule.name} rule passes relevance on unchanged, so it "
+                               f"needs a layer whose input and output have one shape; {layer.kind!r} layer "
+                               f"{layer.name} maps {jnp.shape(v)} to {jnp.shape(r)}.")
+        return (rin.astype(v.dtype), *(jnp.zeros_like(p) for p in ps))
+
+    unit.defvjp(fwd, bwd)
+    return unit(x, *params)
+
+
+def lrp(fn: Callable[[jax.Array], jax.Array], x: Any, composite: Mapping[str, LrpRule], *,
+        target: Any = None) -> jax.Array:
+    """Layer-wise Relevance Propagation: how much of the target output each input element is responsible for.
+
+    ``fn`` is any model of ``x`` — plain JAX, Flax linen, Equinox —
+    unmodified: its dense and conv layers (the ``dot_general`` or
+    ``conv_general_dilated`` with a weight that does not depend on ``x``, and
+    the bias added to it), pooling and activations are found in its traced
+    program, and each passes relevance back by the composite's rule for its
+    kind. Runs under ``jit`` and ``vmap``. The result is not differentiable
+    with respect to the model's parameters.
+
+    Args:
+      fn: the model as a function of its input, returning one array whose
+        last axis holds the classes (or a scalar).
+      x: the input, e.g. a batch of images.
+      composite: a :class:`Composite` or any mapping from layer kind
+        (``"dense"``, ``"conv"``, ``"avg_pool"``, ``"max_pool"``,
+        ``"activation"``, ``"first"``, ``"first_conv"``) to rule, e.g.
+        :data:`EPSILON_PLUS_FLAT` or ``EPSILON_PLUS | {"dense": epsilon(0.1)}``.
+      target: which output to explain, as in :func:`gradient`: ``None`` for
+        each row's largest output, a class index, one per row, or an output
+        cotangent (the relevance the output starts with).
+
+    Returns:
+      The relevance, shaped like ``x``.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, gradkit as gk
+      >>> w1 = jnp.array([[1.0, -1.0], [2.0, 1.0]]); w2 = jnp.array([[1.0], [1.0]])
+      >>> f = lambda x: jax.nn.relu(x @ w1) @ w2
+      >>> r = gk.attribution.lrp(f, jnp.array([1.0, 1.0]), gk.attribution.EPSILON_PLUS)
+      >>> [round(v, 4) for v in r.tolist()]
+      [0.3333, 0.6667]
+    """
+    if not callable(fn):
+        raise GradkitError(f"attribution.lrp: expected the model as a function of x, got {type(fn).__name__}; "
+                           f"write e.g. lambda x: model.apply(params, x).")
+    if not isinstance(composite, Mapping):
+        raise GradkitError(f"attribution.lrp: composite must map layer kinds to rules (e.g. "
+                           f"gk.attribution.EPSILON_PLUS), got {type(composite).__name__}.")
+    composite = composite if isinstance(composite, Composite) else Composite(composite)
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        raise GradkitError(f"attribution.lrp: x must be floating point to be differentiated, got {x.dtype}.")
+
+    def model(v: jax.Array) -> Any:
+        seen = {"first": False, "first_conv": False}
+
+        def handle(layer: compat.Layer, xin: jax.Array) -> jax.Array:
+            return _apply(_rule_for(composite, layer, seen), layer, xin)
+
+        outs, tree = compat.run_layers(fn, v, handle)
+        if tree.num_leaves != 1 or tree.num_nodes != 1:
+            raise GradkitError(f"attribution.lrp: the model must return one array (its outputs, e.g. logits), "
+                               f"got a structure {tree}.")
+        return outs[0]
+
+    out, pullback = jax.vjp(model, x)
+    (r,) = pullback(_cotangent("lrp", out, target))
+    return r
