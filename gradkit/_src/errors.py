@@ -30,6 +30,17 @@ class GradkitError(Exception):
         super().__init__(message)
 
 
+def callable_name(fn: object, *, module: bool = False) -> str:
+    """The name messages give a function: its qualified name, else its name, else its type's name.
+
+    ``module=True`` prefixes the defining module (not for builtins): a rule's
+    default name and cache key use that form.
+    """
+    qual = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+    where = getattr(fn, "__module__", None) or "" if module else ""
+    return f"{where}.{qual}" if where and where != "builtins" else str(qual)
+
+
 def near_misses(name: str, candidates: Iterable[str], n: int = 3) -> list[str]:
     return difflib.get_close_matches(name, sorted(set(candidates)), n=n, cutoff=0.6)
 

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gradkit._src.checks.sourcepath import notebook_cell
+from gradkit._src.errors import callable_name
 
 # --------------------------------------------------------------------------- functions and inputs
 
@@ -27,9 +28,7 @@ from gradkit._src.checks.sourcepath import notebook_cell
 def fn_name(fn: Any) -> str:
     """A readable name for ``fn`` (unwraps gk.override and functools.partial)."""
     inner = getattr(fn, "__wrapped__", None) or getattr(fn, "_fn", None) or fn
-    name = (getattr(inner, "__qualname__", None) or getattr(inner, "__name__", None)
-            or getattr(fn, "__name__", None) or type(fn).__name__)
-    return name.split(".<locals>.")[-1]
+    return callable_name(inner).split(".<locals>.")[-1]
 
 
 def def_source(fn: Any) -> str:

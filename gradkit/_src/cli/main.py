@@ -15,8 +15,6 @@ from typing import Any
 
 from gradkit._src.cli.inputs import SPEC_HELP, UsageError, materialize, parse_spec
 
-__all__ = ["SPEC_HELP", "UsageError", "build_parser", "main", "parse_spec", "rule_catalog"]
-
 EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
 
 

@@ -37,7 +37,7 @@ from gradkit._src.core.cache import LRU
 from gradkit._src.core.rule import Rule
 from gradkit._src.core.splice import CacheInfo, Replacements, Splicer, op_name
 from gradkit._src.core.table import RuleTable
-from gradkit._src.errors import GradkitError, near_misses
+from gradkit._src.errors import GradkitError, callable_name, near_misses
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -83,7 +83,7 @@ class Overridden:
         self._fn = fn
         self._table = table
         self._strict = strict
-        self._cache: LRU[Any, _Entry] = LRU(f"override({_fname(fn)})")
+        self._cache: LRU[Any, _Entry] = LRU(f"override({callable_name(fn)})")
         self._lock = threading.Lock()
         self._replacements = Replacements()
         self.trace_count = 0
@@ -91,7 +91,7 @@ class Overridden:
         def eager(*a: Any, **k: Any) -> Any:
             return self._call(*jax.tree_util.tree_flatten((a, k)))
 
-        eager.__name__ = eager.__qualname__ = _fname(fn).rsplit(".", 1)[-1]
+        eager.__name__ = eager.__qualname__ = callable_name(fn).rsplit(".", 1)[-1]
         self._eager = jax.jit(eager)
 
     @property
@@ -192,7 +192,7 @@ class Overridden:
         except TypeError:
             bad = next((x for x in split.statics if x is not None and not _hashable(x)), None)
             raise GradkitError(
-                f"override({_fname(self._fn)}): argument value of type {type(bad).__name__} is not an array "
+                f"override({callable_name(self._fn)}): argument value of type {type(bad).__name__} is not an array "
                 "and not hashable. Non-array arguments are static (part of the cache key), so they must be "
                 "hashable: pass arrays as jax/numpy arrays, and containers as tuples or dicts.") from None
 
@@ -204,7 +204,7 @@ class Overridden:
         if not vjp_ops:
             return  # the program's own custom_vjp: JAX's error as JAX raises it
         where = ", ".join(f"'{n}' at {entry.matched[n]}" for n in vjp_ops)
-        msg = (f"override({_fname(self._fn)}): forward-mode differentiation (jax.jvp, jacfwd, hessian's outer "
+        msg = (f"override({callable_name(self._fn)}): forward-mode differentiation (jax.jvp, jacfwd, hessian's outer "
                f"jacfwd, linearize) reached an op with a VJP rule ({where}). gk.vjp_rule defines reverse mode "
                "only: use jax.grad / jax.vjp / jacrev, or give these ops a gk.jvp_rule (which serves both modes).")
         if entry.user_custom_vjp():  # it may be the program's own custom_vjp: keep JAX's error, add the hint
@@ -222,7 +222,7 @@ class Overridden:
             return out_leaves
         # JAX's messages about this trace name the user's function, not `flat`
         # (the signature stays flat's own: `dyn[i]`, explained by _trace's note).
-        flat.__name__ = flat.__qualname__ = _fname(self._fn).rsplit(".", 1)[-1]
+        flat.__name__ = flat.__qualname__ = callable_name(self._fn).rsplit(".", 1)[-1]
         vars(flat).update(__wrapped__=self._fn, __signature__=inspect.signature(_dyn_signature))
         return flat
 
@@ -237,7 +237,7 @@ class Overridden:
             # says why a function that runs eagerly fails under override.
             names = _dyn_names(self._fn, split)
             compat.add_note(e, (
-                f"[gradkit] gk.override traces {_fname(self._fn)} once per input signature, like jax.jit: its "
+                f"[gradkit] gk.override traces {callable_name(self._fn)} once per input signature, like jax.jit: its "
                 f"array arguments ({', '.join(f'dyn[{i}] is {n}' for i, n in enumerate(names))}) are abstract "
                 "there, so Python `if`/`while`/`int()`/NumPy on them fail even though the plain function runs "
                 "eagerly. Use jnp.where / lax.cond / lax.while_loop, or pass such values as Python numbers "
@@ -273,7 +273,7 @@ class Overridden:
         return entry.body
 
     def __repr__(self) -> str:
-        return f"<gradkit.override of {_fname(self._fn)} with {len(self._table)} rules>"
+        return f"<gradkit.override of {callable_name(self._fn)} with {len(self._table)} rules>"
 
 
 def _dyn_signature(*dyn: Any) -> None:  # the signature JAX sees for the flat traced function
@@ -312,10 +312,6 @@ def _hashable(x: Any) -> bool:
     return True
 
 
-def _fname(fn: Any) -> str:
-    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
-
-
 def _check_strict(fn: Any, table: RuleTable, present: set[str]) -> None:
     unmatched = sorted(n for n in table.names() - present if "::" not in n)  # scoped: _check_strict_scopes
     if not unmatched:
@@ -326,7 +322,7 @@ def _check_strict(fn: Any, table: RuleTable, present: set[str]) -> None:
         hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
         lines.append(f"  '{name}'{hint}")
     raise GradkitError(
-        f"override({_fname(fn)}, strict=True): {len(unmatched)} rule(s) matched no op in the traced program:\n"
+        f"override({callable_name(fn)}, strict=True): {len(unmatched)} rule(s) matched no op in the traced program:\n"
         + "\n".join(lines)
         + f"\nOps in the program: {', '.join(sorted(present))}. Fix the names, or drop strict=True.")
 
@@ -363,7 +359,7 @@ def _check_strict_scopes(fn: Any, table: RuleTable, body: Any) -> None:
     if not lines:
         return
     raise GradkitError(
-        f"override({_fname(fn)}, strict=True): scoped rules matched no op in the traced program:\n"
+        f"override({callable_name(fn)}, strict=True): scoped rules matched no op in the traced program:\n"
         + "\n".join(lines)
         + f"\nScopes in the program: {', '.join(paths[:20]) or '(none: no jax.named_scope or module names)'}"
         + (", ..." if len(paths) > 20 else "")
@@ -392,7 +388,8 @@ def override(fn: RuleTable | Mapping[str, Rule], table: None = None, *,
              strict: bool = False) -> Callable[[F], F]: ...
 
 
-def override(fn, table=None, *, strict=False):
+def override(fn: F | RuleTable | Mapping[str, Rule], table: RuleTable | Mapping[str, Rule] | None = None, *,
+             strict: bool = False) -> F | Callable[[F], F]:
     """Applies a rule table to every matching op in ``fn``, at any depth.
 
     The result computes exactly what ``fn`` computes; only gradients change,
@@ -423,7 +420,7 @@ def override(fn, table=None, *, strict=False):
     if table is None:
         if callable(fn) and not isinstance(fn, Mapping):
             raise GradkitError(
-                f"override({_fname(fn)}) needs a rule table: gk.override(fn, table) or @gk.override(table).")
+                f"override({callable_name(fn)}) needs a rule table: gk.override(fn, table) or @gk.override(table).")
         tbl = _as_table(fn)
         return lambda f: override(f, tbl, strict=strict)
     if not callable(fn):

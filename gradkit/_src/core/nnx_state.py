@@ -35,7 +35,7 @@ import jax
 import numpy as np
 
 from gradkit._src import compat
-from gradkit._src.errors import GradkitError
+from gradkit._src.errors import GradkitError, callable_name
 
 if TYPE_CHECKING:
     from gradkit._src.core.dispatch import Overridden
@@ -74,7 +74,8 @@ _PLAIN: frozenset[type] = frozenset({compat.ArrayImpl, int, float, bool, complex
 
 def _graph_node_test(nnx: ModuleType) -> Callable[[Any], bool]:
     """``flax.nnx``'s own test for a graph node: a Module, Rngs, Optimizer, any ``nnx.Pytree``, a Variable."""
-    return nnx.graph.is_graph_node
+    test: Callable[[Any], bool] = nnx.graph.is_graph_node
+    return test
 
 
 def has_graph_nodes(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
@@ -209,7 +210,9 @@ class _NNXCall:
         out = self._fn(*args, **kwargs)
         changed = not _same(before, self._snapshot(nodes))
         with nnx.split_context(self) as sctx:
-            split = lambda node: _Split(*sctx.flatten(node, with_paths=False))
+            def split(node: Any) -> _Split:
+                return _Split(*sctx.flatten(node, with_paths=False))
+
             # Unchanged argument nodes are not written back (decided once per signature, at trace time):
             # a read-only module keeps working where writing would fail, e.g. one closed over by a jax.grad
             # function, whose Variables belong to the trace outside it.
@@ -250,5 +253,4 @@ def _trace_level_message(overridden: Overridden, variable: Any) -> str:
 
 
 def _fname(overridden: Any) -> str:
-    fn = getattr(overridden, "_fn", overridden)
-    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+    return callable_name(getattr(overridden, "_fn", overridden))

@@ -7,7 +7,7 @@ import types
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, Protocol, overload
 
-from gradkit._src.errors import GradkitError
+from gradkit._src.errors import GradkitError, callable_name
 
 Mode = Literal["vjp", "jvp"]
 
@@ -80,21 +80,15 @@ class Rule:
                 f"rule {self.name or '<unnamed>'}: expected a callable `fn(op, g)`, got "
                 f"{type(self.fn).__name__}. Pass a function to gk.vjp_rule / gk.jvp_rule.")
         if self.mode not in ("vjp", "jvp"):
-            raise GradkitError(f"rule {self.name or _qualname(self.fn)}: mode must be 'vjp' or 'jvp', "
+            raise GradkitError(f"rule {self.name or callable_name(self.fn, module=True)}: mode must be 'vjp' or 'jvp', "
                                f"got {self.mode!r}.")
         if not self.name:
-            object.__setattr__(self, "name", _qualname(self.fn))
+            object.__setattr__(self, "name", callable_name(self.fn, module=True))
         if not self.key:
-            object.__setattr__(self, "key", ("fn", _qualname(self.fn), id(self.fn)))
+            object.__setattr__(self, "key", ("fn", callable_name(self.fn, module=True), id(self.fn)))
 
     def __call__(self, op: OpView, x: Any) -> Any:
         return self.fn(op, x)
-
-
-def _qualname(fn: Any) -> str:
-    module = getattr(fn, "__module__", None) or ""
-    qual = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
-    return f"{module}.{qual}" if module and module != "builtins" else qual
 
 
 @overload
@@ -103,7 +97,7 @@ def vjp_rule(fn: VjpFn, *, name: str | None = None) -> Rule: ...
 def vjp_rule(fn: None = None, *, name: str | None = None) -> Callable[[VjpFn], Rule]: ...
 
 
-def vjp_rule(fn=None, *, name=None):
+def vjp_rule(fn: VjpFn | None = None, *, name: str | None = None) -> Rule | Callable[[VjpFn], Rule]:
     """Makes a reverse-mode rule: ``fn(op, g)`` returns one cotangent per input.
 
     ``g`` is the cotangent of the output (a tuple for several outputs; ``None``
@@ -130,7 +124,7 @@ def jvp_rule(fn: JvpFn, *, name: str | None = None) -> Rule: ...
 def jvp_rule(fn: None = None, *, name: str | None = None) -> Callable[[JvpFn], Rule]: ...
 
 
-def jvp_rule(fn=None, *, name=None):
+def jvp_rule(fn: JvpFn | None = None, *, name: str | None = None) -> Rule | Callable[[JvpFn], Rule]:
     """Makes a forward-mode rule: ``fn(op, tangents)`` returns the output tangents.
 
     ``tangents`` has one entry per input in ``op.inputs`` (``None`` for inputs

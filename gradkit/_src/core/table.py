@@ -401,6 +401,7 @@ def _load_toml(text: str, path: str) -> Mapping[str, Any]:
             f"reading {path}: TOML needs Python 3.11+ (tomllib) or the `tomli` package on Python 3.10. "
             "Install it with `pip install tomli`, or pass a dict to gk.RuleTable.from_dict.")
     try:
-        return _toml.loads(text)
+        data: dict[str, Any] = _toml.loads(text)
+        return data
     except _toml.TOMLDecodeError as e:
         raise GradkitError(f"{path} is not valid TOML: {e}.") from None

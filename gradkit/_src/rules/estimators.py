@@ -12,19 +12,6 @@ from jax.typing import ArrayLike
 
 from gradkit._src.errors import GradkitError, describe
 
-__all__ = [
-    "clip_gradient",
-    "dann_schedule",
-    "reverse_gradient",
-    "scale_gradient",
-    "ste_ceil",
-    "ste_floor",
-    "ste_round",
-    "ste_sign",
-    "straight_through",
-    "tap",
-]
-
 Array = jax.Array
 
 

@@ -11,9 +11,6 @@ from gradkit._src.core.table import RuleTable
 from gradkit._src.rules import library as _lib
 from gradkit._src.rules import upcast as _up
 
-__all__ = ["BROADENED", "F32_BACKWARD", "SAFE", "STABLE", "STABLE_FUNCTIONS", "STRAIGHT_THROUGH", "broadened",
-           "describe", "library", "upcast_backward"]
-
 SAFE: RuleTable = RuleTable(_lib.ready_table("safe", "SAFE"))
 
 STRAIGHT_THROUGH: RuleTable = RuleTable(
