@@ -257,7 +257,34 @@ def _present(*refs: ReferenceMethod | None) -> list[ReferenceMethod]:
     return [r for r in refs if r is not None]
 
 
-#: name -> (gradkit's callable, the references it should agree with). LRP composites go here later.
+def zennit_lrp(composite: str, **kwargs: Any) -> ReferenceMethod | None:
+    """Zennit's ``Gradient`` attributor under the LRP composite ``zennit.composites.<composite>(**kwargs)``."""
+    cls = zennit_composite(composite)
+    if zennit_attribution is None or cls is None:
+        return None
+
+    def ref(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> np.ndarray:
+        inp = x.clone().requires_grad_(True)
+        with zennit_attribution.Gradient(model=model, composite=cls(**kwargs)) as attributor:
+            _, relevance = attributor(inp, lambda out: _one_hot(out, target))
+        return _np(relevance)
+
+    ref.__name__ = f"zennit.{composite}"
+    return ref
+
+
+def _gk_lrp(composite: Any, name: str) -> GradkitMethod:
+    def run(fn: JaxModel, x: jax.Array, target: jax.Array) -> jax.Array:
+        return gk.attribution.lrp(fn, x, composite, target=target)
+
+    run.__name__ = f"gk.attribution.lrp({name})"
+    return run
+
+
+#: The input box of EpsilonGammaBox: the batch is standard normal, so +-3 holds nearly all of it.
+BOX = (-3.0, 3.0)
+
+#: name -> (gradkit's callable, the references it should agree with).
 METHODS: dict[str, tuple[GradkitMethod, list[ReferenceMethod]]] = {
     "gradient": (_gk(gk.attribution.gradient),
                  _present(captum("Saliency", abs=False), zennit(None))),
@@ -267,6 +294,15 @@ METHODS: dict[str, tuple[GradkitMethod, list[ReferenceMethod]]] = {
                         _present(captum("GuidedBackprop"), zennit("GuidedBackprop"))),
     "deconvnet": (_gk(gk.attribution.deconvnet),
                   _present(captum("Deconvolution"), zennit("DeconvNet"))),
+    "lrp EPSILON_PLUS": (_gk_lrp(gk.attribution.EPSILON_PLUS, "EPSILON_PLUS"), _present(zennit_lrp("EpsilonPlus"))),
+    "lrp EPSILON_PLUS_FLAT": (_gk_lrp(gk.attribution.EPSILON_PLUS_FLAT, "EPSILON_PLUS_FLAT"),
+                              _present(zennit_lrp("EpsilonPlusFlat"))),
+    "lrp EPSILON_ALPHA2_BETA1": (_gk_lrp(gk.attribution.EPSILON_ALPHA2_BETA1, "EPSILON_ALPHA2_BETA1"),
+                                 _present(zennit_lrp("EpsilonAlpha2Beta1"))),
+    "lrp EPSILON_ALPHA2_BETA1_FLAT": (_gk_lrp(gk.attribution.EPSILON_ALPHA2_BETA1_FLAT, "EPSILON_ALPHA2_BETA1_FLAT"),
+                                      _present(zennit_lrp("EpsilonAlpha2Beta1Flat"))),
+    "lrp EPSILON_GAMMA_BOX": (_gk_lrp(gk.attribution.EPSILON_GAMMA_BOX(*BOX), "EPSILON_GAMMA_BOX"),
+                              _present(zennit_lrp("EpsilonGammaBox", low=BOX[0], high=BOX[1]))),
 }
 
 
