@@ -161,15 +161,23 @@ _typed_result = getattr(_mlir_src, "lower_with_explicit_types", None) or _mlir_s
 
 
 def _safe_scale_lowering(ctx: Any, t: Any, d: Any, *, divide: bool) -> Sequence[Any]:
-    """StableHLO for a real ``safe_scale``: the operations of :func:`_safe_scale_value`, emitted directly.
+    """StableHLO for a real ``safe_scale``: the masks of :func:`_safe_scale_value` as nested selects.
 
     Nothing is traced (``lower_fun`` traced the lax version again for every
-    equation), and "not finite" is ``not(is_finite(x))`` instead of
-    ``x - x != 0`` (one constant and one operation fewer per use). Every other
-    operation is the lax version's, in its order: the same comparisons
-    (``==``: XLA's CPU backend reads a subnormal as 0 there, and other forms
-    of the masks compile to other instructions that do not), the same
-    selects and the same final ``multiply``/``divide``, so the same bits.
+    equation). Each mask is a ``select`` on the lax version's own comparison
+    instead of a ``select`` on a conjunction: ``d`` becomes 0 where
+    ``t == 0`` and then where ``d`` is not finite (``select(t == 0,
+    select(is_finite(d), d, 0), d)``), ``t`` likewise with ``d == 0``; a
+    quotient's ``d`` becomes 1 where ``t == 0`` and ``d`` is 0 or not finite.
+    The comparisons are the lax version's ``==`` (XLA's CPU backend reads a
+    subnormal as 0 there, and ``!=`` or other forms of the masks compile to
+    instructions that do not), each select picks the operand the lax
+    version picks, element for element, and the final ``multiply``/``divide``
+    is the same operation on the same operands: the same bits, and XLA fuses
+    it (FMA contraction with a following add) as it fuses JAX's own product.
+    No ``not``/``and``/``or`` of predicates: nine operations for a product
+    instead of eleven, six for a quotient instead of seven, fewer for XLA to
+    fuse and compile where SAFE rules are many.
     Complex operands keep the lax version (``is_finite`` takes real values only).
     """
     aval = ctx.avals_in[0]
@@ -179,12 +187,12 @@ def _safe_scale_lowering(ctx: Any, t: Any, d: Any, *, divide: bool) -> Sequence[
     t_zero = _mlir_src.compare_hlo(t, zero, "EQ", "FLOAT")
     d_zero = _mlir_src.compare_hlo(d, zero, "EQ", "FLOAT")
     if divide:
-        d_bad = _hlo.or_(d_zero, _hlo.not_(_hlo.is_finite(d)))
-        d_out = _hlo.select(_hlo.and_(t_zero, d_bad), _mlir_src.full_like_aval(ctx, 1, aval), d)
-        out = _hlo.divide(t, d_out)
+        one = _mlir_src.full_like_aval(ctx, 1, aval)
+        d_good = _hlo.select(d_zero, one, _hlo.select(_hlo.is_finite(d), d, one))  # d, or 1 where it is bad
+        out = _hlo.divide(t, _hlo.select(t_zero, d_good, d))
     else:
-        t_out = _hlo.select(_hlo.and_(d_zero, _hlo.not_(_hlo.is_finite(t))), zero, t)
-        d_out = _hlo.select(_hlo.and_(t_zero, _hlo.not_(_hlo.is_finite(d))), zero, d)
+        t_out = _hlo.select(d_zero, _hlo.select(_hlo.is_finite(t), t, zero), t)
+        d_out = _hlo.select(t_zero, _hlo.select(_hlo.is_finite(d), d, zero), d)
         out = _hlo.multiply(t_out, d_out)
     return [_typed_result(ctx, out, ctx.avals_out[0])]
 

@@ -183,15 +183,27 @@ class Splicer:
         self.replacements = replacements
         self.matched: dict[str, str] = {}  # table key (op name, or "<scope>::<op>") -> source line of its first match
         self._scoped_ops = table.scoped_ops
+        # Values the program computes from literals alone, every element equal (see _constant_value):
+        # the walk hands over every equation of a program in order, so an input's entry is made before it is read.
+        self._constants: dict[Any, _Constant] = {}
 
     @property
     def scoped(self) -> bool:
         """Whether the table has scoped entries: the walk must pass each equation's enclosing scopes."""
         return bool(self._scoped_ops)
 
+    def constant(self, atom: Any) -> Any:
+        """The value of ``atom`` (every element equal) if the program computes it from literals alone, else ``None``."""
+        c = self._constants.get(atom) if not compat.is_literal(atom) else None
+        return None if c is None else c.value
+
     def __call__(self, eqn: JaxprEqn, outer: tuple[str, ...] = ()) -> list[JaxprEqn] | None:
         if not self.table:
             return None
+        if eqn.invars and len(eqn.outvars) == 1:
+            c = _constant_value(eqn, self._constants)
+            if c is not None:
+                self._constants[eqn.outvars[0]] = c
         name = op_name(eqn)
         if name in self._scoped_ops:  # the equation's whole scopes: the enclosing equations' first
             hit = self.table.rule_for(name, outer + compat.name_scopes(eqn), lambda: compat.source_line(eqn))
@@ -205,11 +217,86 @@ class Splicer:
         if key not in self.matched:
             self.matched[key] = compat.source_line(eqn)
         # A library rule may know that, on this equation, it is JAX's own derivative bit for bit (SAFE's
-        # product by a finite nonzero constant): the equation stays as it is, and costs nothing more.
+        # product by a finite nonzero constant, a literal or a value computed from literals alone; an
+        # equation with no varying input): the equation stays as it is, and costs nothing more.
         keeps = getattr(rule.fn, "keeps_jax_derivative", None)
-        if keeps is not None and name == eqn.primitive.name and rule.key[:1] == ("gradkit",) and keeps(eqn):
+        library = rule.key[:1] == ("gradkit",)
+        if keeps is not None and name == eqn.primitive.name and library and keeps(eqn, self.constant):
             return None
         return [self.replacements.splice(rule, name, eqn)]
+
+
+# --------------------------------------------------------------------------- constants of a program
+
+
+class _Constant(NamedTuple):
+    """A value computed from literals alone: every element ``value``, within a factor ``slack`` of it."""
+
+    value: Any  # a NumPy scalar of the equation's output dtype
+    slack: float  # >= 1: the value XLA computes lies in [value / slack, value * slack]
+
+
+# Operations whose output is their one input's value (a splat stays a splat).
+_SAME_VALUE = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "copy", "copy_p"})
+
+
+def _constant_value(eqn: JaxprEqn, known: dict[Any, _Constant]) -> _Constant | None:
+    """The value of ``eqn``'s output if its inputs are literals or known constants and the operation is simple.
+
+    Only values that are finite, nonzero and normal with a wide margin are
+    kept (what SAFE needs to know about a factor): the check is made at
+    every step, so XLA's own arithmetic on them (another rounding, a
+    subnormal read as 0) lands on a finite, nonzero, normal value too. Any
+    doubt gives ``None``: a constant not recognised only costs a mask.
+    """
+    out_dtype = np.dtype(cast(Any, eqn.outvars[0].aval).dtype)
+    if not jax.numpy.issubdtype(out_dtype, jax.numpy.floating):
+        return None
+    ins: list[_Constant] = []
+    for a in eqn.invars:
+        if compat.is_literal(a):
+            v = np.asarray(cast(Any, a).val)
+            if v.ndim != 0 or not (jax.numpy.issubdtype(v.dtype, jax.numpy.floating)
+                                   or jax.numpy.issubdtype(v.dtype, jax.numpy.integer)):
+                return None
+            ins.append(_Constant(v[()], 1.0))
+        else:
+            c = known.get(a)
+            if c is None:
+                return None
+            ins.append(c)
+    name = eqn.primitive.name
+    eps = float(jax.numpy.finfo(out_dtype).eps)
+    try:
+        with np.errstate(all="ignore"):
+            if name in _SAME_VALUE and len(ins) == 1:
+                value, slack = ins[0].value, ins[0].slack
+            elif name == "convert_element_type" and len(ins) == 1:
+                value, slack = ins[0].value, ins[0].slack * (1 + eps)
+            elif name == "neg" and len(ins) == 1:
+                value, slack = -np.asarray(ins[0].value, out_dtype), ins[0].slack
+            elif name in ("mul", "div") and len(ins) == 2:
+                x, y = (np.asarray(c.value, out_dtype) for c in ins)
+                value, slack = (x * y if name == "mul" else x / y), ins[0].slack * ins[1].slack * (1 + eps)
+            elif name == "reduce_sum" and len(ins) == 1:
+                # n equal terms of one sign: no cancellation; each addition rounds once
+                shape = cast(Any, eqn.invars[0].aval).shape
+                n = int(np.prod([shape[i] for i in eqn.params.get("axes", ())], dtype=np.int64))
+                if n < 1 or n * eps > 0.25:
+                    return None
+                value = np.asarray(np.float64(ins[0].value) * n, out_dtype)
+                slack = ins[0].slack * (1 + eps) ** (n + 1)
+            else:
+                return None
+            value = np.asarray(value, out_dtype)[()]
+            fi = jax.numpy.finfo(out_dtype)
+            mag = abs(float(value))
+            if not (np.isfinite(mag) and slack < 2.0 and mag / slack >= 4 * float(fi.tiny)
+                    and mag * slack <= float(fi.max) / 4):
+                return None
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return _Constant(value, slack)
 
 
 # --------------------------------------------------------------------------- rules as custom_vjp / custom_jvp

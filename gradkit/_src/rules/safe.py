@@ -242,16 +242,27 @@ def safe_bind(prim: Any, params: Any, inputs: Sequence[Any], fixed: Sequence[boo
 def _by_constant(prim: Any, inputs: Sequence[Any], fixed: Sequence[bool]) -> bool:
     """``c * x``, ``x * c`` or ``x / c`` with ``c`` a finite nonzero constant: its safe derivative is JAX's.
 
-    The case of :func:`scaled_by_constant`, for a primal quantity of a
+    The case of :func:`keeps_jax_derivative`, for a primal quantity of a
     derivative (``2 * x`` in ``x ** 2``'s): no ``custom_jvp`` layer for it.
     """
     if prim.name not in ("mul", "div") or len(inputs) != 2 or sum(fixed) != 1 or (prim.name == "div" and fixed[0]):
         return False
     c = inputs[list(fixed).index(True)]
-    if isinstance(c, compat.Tracer):
-        return False
+    return not isinstance(c, compat.Tracer) and nonzero_normal(c)
+
+
+def nonzero_normal(c: Any) -> bool:
+    """Every element of the constant ``c`` is finite and nonzero, and not subnormal (a float).
+
+    Subnormals are excluded: XLA's CPU backend reads them as 0, and there
+    ``safe_scale`` masks where a plain product would not.
+    """
     c = np.asarray(c)
-    return bool(np.all(np.isfinite(c)) and np.all(c != 0))
+    if c.dtype.kind == "f" or c.dtype.name in ("bfloat16", "float16") or jnp.issubdtype(c.dtype, jnp.floating):
+        tiny = float(jnp.finfo(c.dtype).tiny)
+        a = np.abs(c.astype(np.float64))
+        return bool(c.size and np.all(np.isfinite(a)) and np.all(a >= tiny))
+    return bool(c.size and np.all(c != 0)) if c.dtype.kind in "iub" else False
 
 
 # --------------------------------------------------------------------------- the rules
@@ -292,22 +303,34 @@ def safe_rule(target: str) -> Callable[[OpView, tuple[Any, ...]], Any]:
         out = replay(prog, inputs, ts, op.outputs if own else None)
         return out[0] if len(out) == 1 else tuple(out)
 
-    if target in ("mul", "div"):
-        rule.keeps_jax_derivative = scaled_by_constant  # type: ignore[attr-defined]  # read by the splicer
+    rule.keeps_jax_derivative = keeps_jax_derivative  # type: ignore[attr-defined]  # read by the splicer
     return rule
 
 
-def scaled_by_constant(eqn: Any) -> bool:
-    """``x * c``, ``c * x`` or ``x / c`` with ``c`` a finite, nonzero literal: SAFE's rule is JAX's derivative.
+def keeps_jax_derivative(eqn: Any, constant: Callable[[Any], Any] = lambda atom: None) -> bool:
+    """Whether SAFE's rule on ``eqn`` is JAX's own derivative, bit for bit, at every order.
 
-    Its one product is ``safe_scale(t, c)``, which masks nothing when ``c`` is
-    finite and nonzero (``t * c``, ``t / c``, bit for bit), and it has no
-    primal quantity to make safe: the splicer leaves such an equation as it
-    is (no ``custom_jvp`` layer, no rule traced, no mask for XLA to compile),
-    and JAX's own rule gives the same derivative at every order.
+    ``constant(atom)`` is the value of an input the program computes from
+    literals alone (``broadcast_in_dim 1.0``, ``0.5 * that``: the seed of a
+    ``jax.grad`` inside the program), every element equal, or ``None``.
+    Two cases, read from the equation and those values alone:
+
+    * no input of an inexact type varies (every one a literal or such a
+      constant): the derivative is 0 in every mode and at every order,
+      with or without the rule;
+    * ``x * c``, ``c * x`` or ``x / c`` with ``c`` a literal or such a
+      constant, finite, nonzero and not subnormal: the rule's one product
+      is ``safe_scale(t, c)``, which masks nothing there (``t * c``,
+      ``t / c``, bit for bit), and it has no primal quantity to make safe.
+
+    The splicer leaves such an equation as it is: no ``custom_jvp`` layer,
+    no rule traced, no mask for XLA to compile.
     """
-    lits = [compat.is_literal(a) for a in eqn.invars]
-    return _by_constant(eqn.primitive, [a.val if lit else None for a, lit in zip(eqn.invars, lits)], lits)
+    values = [a.val if compat.is_literal(a) else constant(a) for a in eqn.invars]
+    if all(v is not None or not jnp.issubdtype(a.aval.dtype, jnp.inexact) for a, v in zip(eqn.invars, values)):
+        return True
+    fixed = [v is not None for v in values]
+    return _by_constant(eqn.primitive, values, fixed)
 
 
 # --------------------------------------------------------------------------- opt-in: a fully masked row's NaN

@@ -1,0 +1,174 @@
+"""SAFE's first-call cost: fewer masks for XLA to compile, the same gradients bit for bit.
+
+* ``safe_scale`` lowers its masks as nested selects on the comparisons of its
+  lax form: the same bits as the lax form, element for element, on every
+  special value (signed zeros, subnormals, infinities, NaN).
+* A product by a value the program computes from literals alone (the seed of
+  a ``jax.grad`` inside the program: ``broadcast_in_dim 1.0``, ``0.5 * that``)
+  is JAX's equation when that value is finite, nonzero and normal, like a
+  product by a literal; an equation with no varying input has no layer. A
+  constant that is 0, subnormal or not finite keeps the masked rule.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gradkit as gk
+from gradkit._src import compat
+from gradkit._src.core import splice
+
+SAFE = gk.tables.SAFE
+
+
+def _bits(x):
+    x = np.asarray(x)
+    return x.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[x.dtype.itemsize])
+
+
+def _count(jaxpr, name: str) -> int:
+    n = 0
+    for e in jaxpr.eqns:
+        n += e.primitive.name == name
+        for v in e.params.values():
+            for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    n += _count(inner, name)
+    return n
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("divide", [False, True])
+def test_lowering_is_the_lax_form_bit_for_bit(dtype, divide):
+    fi = jnp.finfo(dtype)
+    vals = [0.0, -0.0, 1.0, -1.0, 2.5, -3.0, float(fi.tiny), -float(fi.tiny), float(fi.tiny) / 4,
+            -float(fi.tiny) / 8, float(fi.max), -float(fi.max), np.inf, -np.inf, np.nan, -np.nan, 1e-3, 7.0]
+    vals = np.array(vals, np.float64).astype(dtype)
+    pairs = list(itertools.product(vals, vals))
+    if divide:  # 0 / subnormal: XLA's CPU backend divides by it as by 0 but does not compare it equal to 0,
+        # in this lowering as in the one before it (the same bits), unlike the lax form run op by op
+        pairs = [(a, b) for a, b in pairs if not (b != 0 and abs(float(b)) < float(fi.tiny))]
+    t, d = (np.array(x, dtype) for x in zip(*pairs))
+    lowered = jax.jit(lambda t, d: compat.safe_scale(t, d, divide=divide))(t, d)
+    # the lax form, one operation at a time (no fusion, no simplification across them)
+    t, d = jnp.asarray(t), jnp.asarray(d)
+    with jax.disable_jit():
+        zero = jnp.zeros_like(t)
+        t_zero, d_zero = t == zero, d == zero
+        finite = lambda x: ~((x - x) != zero)  # noqa: E731
+        if divide:
+            ref = t / jnp.where(t_zero & (d_zero | ~finite(d)), jnp.ones_like(d), d)
+        else:
+            ref = jnp.where(d_zero & ~finite(t), zero, t) * jnp.where(t_zero & ~finite(d), zero, d)
+    # bit for bit, signs of zero included; a NaN times a NaN is a NaN whichever operand's payload it keeps
+    both_nan = np.isnan(np.asarray(lowered, np.float32)) & np.isnan(np.asarray(ref, np.float32))
+    np.testing.assert_array_equal(np.where(both_nan, 0, _bits(lowered)), np.where(both_nan, 0, _bits(ref)))
+
+
+def test_lowering_keeps_jax_product_inside_a_fused_sum():
+    # t * d + c fused by XLA (FMA contraction where it applies): the masked product fuses the same way
+    key = jax.random.key(0)
+    t, d, c = (jax.random.normal(k, (4096,), jnp.float32) for k in jax.random.split(key, 3))
+    got = jax.jit(lambda t, d, c: compat.safe_scale(t, d) + c)(t, d, c)
+    want = jax.jit(lambda t, d, c: t * d + c)(t, d, c)
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+def _potential(q, x, y):
+    resid = y - x @ q[:4]
+    scale = jnp.exp(q[4])
+    return jnp.sum(0.5 * (resid / scale) ** 2 + jnp.log(scale)) + 0.5 * jnp.sum(q ** 2)
+
+
+def _energy(q, p, x, y):  # a leapfrog step: jax.grad inside, differentiated again (as HMC)
+    p = p - 0.005 * jax.grad(_potential)(q, x, y)
+    q = q + 0.01 * p
+    return _potential(q, x, y) + 0.5 * jnp.sum(p ** 2)
+
+
+def _hmc_args():
+    x = jax.random.normal(jax.random.key(1), (12, 4), jnp.float32)
+    y = x @ jnp.array([1.0, -1.0, 0.5, 0.0]) + 0.1
+    q = jnp.array([0.3, -0.2, 0.1, 0.0, -0.5], jnp.float32)
+    p = jax.random.normal(jax.random.key(2), (5,), jnp.float32)
+    return q, p, x, y
+
+
+def test_products_by_a_grad_seed_keep_jax_equation():
+    q, p, x, y = _hmc_args()
+    ours = gk.override(_energy, SAFE | gk.tables.STABLE)
+    body = ours.rewritten_jaxpr(q, p, x, y)
+    names = []
+
+    def visit(j):
+        for e in j.eqns:
+            if e.primitive.name == "custom_jvp_call":
+                names.append(tuple(str(v) for v in e.invars))
+            for v in e.params.values():
+                for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        visit(inner)
+
+    visit(getattr(body, "jaxpr", body))
+    # no layer without an operand (`0.5 * 1.0` of the inner grad's seed), none for a product by the seed
+    assert names and all(names)
+    plain_muls = sum(1 for e in getattr(body, "jaxpr", body).eqns if e.primitive.name == "mul")
+    assert plain_muls >= 3
+    # the same bits as SAFE without the constants (every product masked), grad and hessian; within
+    # rounding of plain JAX (SAFE's layers already move XLA's fusion by an ulp in this program)
+    got = [jax.jit(t(ours, argnums=(0, 1)))(q, p, x, y) for t in (jax.grad, jax.hessian)]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(splice, "_constant_value", lambda eqn, known: None)
+        masked = gk.override(_energy, SAFE | gk.tables.STABLE)
+        want = [jax.jit(t(masked, argnums=(0, 1)))(q, p, x, y) for t in (jax.grad, jax.hessian)]
+        assert _count(getattr(masked.rewritten_jaxpr(q, p, x, y), "jaxpr", None) or
+                      masked.rewritten_jaxpr(q, p, x, y), "custom_jvp_call") > len(names)
+    plain = [jax.jit(t(_energy, argnums=(0, 1)))(q, p, x, y) for t in (jax.grad, jax.hessian)]
+    for g, w, r in zip(*(jax.tree_util.tree_leaves(v) for v in (got, want, plain))):
+        np.testing.assert_array_equal(_bits(g), _bits(w))
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("make_c", [
+    lambda: jnp.full((3,), 0.0, jnp.float32),  # zero: masks a non-finite tangent
+    lambda: jnp.full((3,), 1e-30, jnp.float32) * 1e-10,  # subnormal (read as 0 by XLA on CPU)
+    lambda: jnp.full((3,), 1e30, jnp.float32) * 1e30,  # overflows to inf: masks a zero tangent
+    lambda: jnp.full((3,), 3.0, jnp.float32) / 0.0,
+])
+def test_a_constant_that_can_mask_keeps_the_rule(make_c):
+    x = jnp.asarray([0.0, 1.0, 4.0], jnp.float32)
+
+    def f(x):
+        c = make_c()
+        # sqrt's cotangent is inf at 0 (meets c == 0), and the where drops c * x (a zero cotangent meets inf)
+        return jnp.sum(jnp.where(jnp.isfinite(c * x) & (c != 0), jnp.sqrt(x) * c, 0.0)) + jnp.sum(
+            jnp.where(jnp.isfinite(c), c * x, 0.0)) + jnp.sum(jnp.sqrt(c * x) * 0.0)
+
+    g = jax.jit(jax.grad(gk.override(f, SAFE)))(x)
+    assert np.all(np.isfinite(np.asarray(g))), g
+    jaxpr = jax.make_jaxpr(jax.grad(gk.override(f, SAFE)))(x).jaxpr
+    assert _count(jaxpr, "gradkit_safe_scale") > 0
+
+
+def test_masked_singularity_still_zero_with_constant_scales():
+    # a constant-scaled singular op under a where: 0, not NaN, in every mode and at second order
+    def f(x):
+        c = jnp.full(x.shape, 0.5, jnp.float32) * 2.0  # computed from literals: JAX's mul
+        return jnp.sum(jnp.where(x > 0, c * jnp.log(x), 0.0) + c * x)
+
+    ours = gk.override(f, SAFE)
+    x = jnp.asarray([0.0, 1.0, 2.0], jnp.float32)
+    g = jax.jit(jax.grad(ours))(x)
+    np.testing.assert_array_equal(np.asarray(g), np.asarray([1.0, 2.0, 1.5], np.float32))
+    jv = jax.jit(lambda x: jax.jvp(ours, (x,), (jnp.ones_like(x).at[0].set(0.0),))[1])(x)
+    assert np.isfinite(np.asarray(jv))
+    h = jax.jit(jax.hessian(ours))(x)
+    assert np.all(np.isfinite(np.asarray(h)))
+    np.testing.assert_array_equal(np.asarray(h)[0], np.zeros(3, np.float32))
