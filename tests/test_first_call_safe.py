@@ -61,7 +61,7 @@ def test_lowering_is_the_lax_form_bit_for_bit(dtype, divide):
     with jax.disable_jit():
         zero = jnp.zeros_like(t)
         t_zero, d_zero = t == zero, d == zero
-        finite = lambda x: ~((x - x) != zero)  # noqa: E731
+        finite = lambda x: ~((x - x) != zero)
         if divide:
             ref = t / jnp.where(t_zero & (d_zero | ~finite(d)), jnp.ones_like(d), d)
         else:
