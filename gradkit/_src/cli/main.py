@@ -10,10 +10,17 @@ import json
 import os
 import re
 import sys
+import types
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, NoReturn, TypedDict
 
 from gradkit._src.cli.inputs import SPEC_HELP, UsageError, materialize, parse_spec
+
+if TYPE_CHECKING:  # imported where used: the command starts without loading JAX
+    import numpy as np
+
+    from gradkit._src.audit.report import AuditReport
+    from gradkit._src.core.table import RuleTable
 
 EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
 
@@ -21,7 +28,7 @@ EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
 # --------------------------------------------------------------------------- loading the user's file
 
 
-def _load(path: str) -> Any:
+def _load(path: str) -> types.ModuleType:
     if not os.path.exists(path):
         raise UsageError(f"no such file: {path}")
     if not path.endswith(".py") or os.path.isdir(path):
@@ -78,7 +85,7 @@ def _first_line(msg: str) -> str:
     return (lines[0] if lines else "")[:300]
 
 
-def _declared(module: Any, path: str) -> dict[str, Any]:
+def _declared(module: types.ModuleType, path: str) -> dict[str, object]:
     decl = getattr(module, "GRADKIT_INPUTS", None)
     if callable(decl):
         try:
@@ -97,12 +104,13 @@ def _declared(module: Any, path: str) -> dict[str, Any]:
     return out
 
 
-def _targets(args: argparse.Namespace, progress: _Progress) -> list[tuple[str, Callable[..., Any], tuple[Any, ...]]]:
+def _targets(args: argparse.Namespace,
+             progress: _Progress) -> list[tuple[str, Callable[..., object], tuple[object, ...]]]:
     """(label, function, inputs) for every requested target."""
     import numpy as np
 
     rng = np.random.RandomState(args.seed)
-    plan: list[tuple[str, Any, str | None]] = []
+    plan: list[tuple[str, str, str | None]] = []
     for target in args.targets:
         path, _, func = target.partition(":") if not re.match(r"^[A-Za-z]:\\", target) else (target, "", "")
         if ":" in func:
@@ -119,10 +127,10 @@ def _targets(args: argparse.Namespace, progress: _Progress) -> list[tuple[str, C
     for path in [p for _, p, _ in plan] + ([builder[0]] if builder else []):
         if not os.path.exists(path):  # fail fast on missing files before importing anything heavy
             raise UsageError(f"no such file: {path}")
-    out = []
-    modules: dict[str, Any] = {}
+    out: list[tuple[str, Callable[..., object], tuple[object, ...]]] = []
+    modules: dict[str, types.ModuleType] = {}
 
-    def load(path: str) -> Any:  # each file once, whether it holds targets, the input builder or both
+    def load(path: str) -> types.ModuleType:  # each file once, whether it holds targets, the input builder or both
         key = os.path.realpath(path)
         if key not in modules:  # on a terminal only: a usage error after it stays one line in a log
             progress.step(f"loading {path}…", tty_only=True)
@@ -142,6 +150,7 @@ def _targets(args: argparse.Namespace, progress: _Progress) -> list[tuple[str, C
                 funcs = _functions(module)
                 hint = f" (functions: {', '.join(funcs)})" if funcs else ""
                 raise UsageError(f"{path} has no function {name!r}{hint}")
+            inputs: tuple[object, ...]
             if args.arg:
                 inputs = tuple(parse_spec(s, rng) for s in args.arg)
                 _check_arity(fn, len(inputs), name, "--arg given")
@@ -164,7 +173,7 @@ def _targets(args: argparse.Namespace, progress: _Progress) -> list[tuple[str, C
     return out
 
 
-def _params(fn: Any) -> list[str]:
+def _params(fn: Callable[..., object]) -> list[str]:
     try:
         return [p.name for p in inspect.signature(fn).parameters.values()
                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
@@ -172,7 +181,7 @@ def _params(fn: Any) -> list[str]:
         return []
 
 
-def _check_arity(fn: Any, n: int, name: str, given: str) -> None:
+def _check_arity(fn: Callable[..., object], n: int, name: str, given: str) -> None:
     try:
         sig = inspect.signature(fn)
         sig.bind(*range(n))
@@ -196,7 +205,8 @@ def _builder_target(spec: str, target_path: str) -> tuple[str, str]:
     return path, func
 
 
-def _built_inputs(module: Any, path: str, func: str, seed: int, rng: Any) -> tuple[Any, ...]:
+def _built_inputs(module: types.ModuleType, path: str, func: str, seed: int,
+                  rng: np.random.RandomState) -> tuple[object, ...]:
     """The inputs ``--args-from FILE.py:FUNC`` builds: ``FUNC()``, or ``FUNC(key)`` with ``jax.random.key(seed)``."""
     where = f"--args-from {path}:{func}"
     fn = getattr(module, func, None)
@@ -231,12 +241,12 @@ def _built_inputs(module: Any, path: str, func: str, seed: int, rng: Any) -> tup
     return tuple(materialize(v, rng, f"{where}: input {k}") for k, v in enumerate(result))
 
 
-def _functions(module: Any) -> list[str]:
+def _functions(module: types.ModuleType) -> list[str]:
     return sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_")
                   and not n.isupper() and getattr(v, "__module__", None) == module.__name__)
 
 
-def _table(spec: str | None) -> tuple[Any, str]:
+def _table(spec: str | None) -> tuple[RuleTable | None, str]:
     if spec is None:
         return None, ""
     from gradkit._src.core.table import RuleTable
@@ -258,7 +268,7 @@ def _table(spec: str | None) -> tuple[Any, str]:
     return tables[key], f"gradkit.tables.{key}"
 
 
-def _library_tables() -> dict[str, Any]:
+def _library_tables() -> dict[str, RuleTable]:
     from gradkit._src.core.table import RuleTable
     from gradkit._src.rules import tables
 
@@ -321,7 +331,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     from gradkit._src.audit.audit import audit
     from gradkit._src.errors import GradkitError
 
-    reports: list[Any] = []
+    reports: list[tuple[str, AuditReport]] = []
     errors: list[tuple[str, str]] = []
     for k, (label, fn, inputs) in enumerate(targets):
         path, name = label.rsplit(":", 1)
@@ -388,11 +398,18 @@ def _version() -> str:
         return "unknown"
 
 
-def rule_catalog() -> dict[str, Any]:
+
+class Catalog(TypedDict):
+    """:func:`rule_catalog`: per table its rows (op, rule, mode, fixes); the named rules (rule, signature, doc)."""
+
+    tables: dict[str, list[dict[str, str]]]
+    library: list[dict[str, str]]
+
+def rule_catalog() -> Catalog:
     """The ready tables (op, rule kind, what it fixes) and the named rules a config can use."""
     from gradkit._src.rules import tables
 
-    out: dict[str, Any] = {"tables": {}, "library": []}
+    out: Catalog = {"tables": {}, "library": []}
     for tname, tbl in _library_tables().items():
         desc = tables.describe(tbl)
         rows = []
@@ -516,7 +533,7 @@ def _example_path() -> str | None:
     """
     import shlex
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.pardir] * 3))  # gradkit/_src/cli/ -> root
     path = os.path.join(root, "examples", "unstable_losses.py")
     if not os.path.isfile(path):
         return None
@@ -527,7 +544,7 @@ def _example_path() -> str | None:
     return shlex.quote(path)
 
 
-def _show(g: Any) -> str:
+def _show(g: object) -> str:
     import numpy as np
 
     a = np.asarray(g).reshape(-1)
@@ -565,7 +582,7 @@ exit codes:
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> Any:  # one line, exit 2, no usage dump
+    def error(self, message: str) -> NoReturn:  # one line, exit 2, no usage dump
         raise UsageError(f"{message} (see gradkit {self.prog.split()[-1] if ' ' in self.prog else ''} --help)"
                          .replace("gradkit gradkit", "gradkit").replace("  --help", " --help"))
 
