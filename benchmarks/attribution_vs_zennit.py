@@ -22,12 +22,15 @@ What it does:
    every method of ``gk.attribution`` and its references (Captum's Saliency
    (abs=False), InputXGradient, GuidedBackprop, Deconvolution; Zennit's
    Gradient attributor, alone and with its GuidedBackprop composite, and with a
-   DeconvNet composite where Zennit has one), and reports
+   DeconvNet composite where Zennit has one; every LRP composite of
+   ``gk.attribution.lrp`` against Zennit's composite of the same name, the
+   ZBox bounds of ``EpsilonGammaBox`` at +-3), and reports
    ``max |gradkit - reference| / max |reference|`` per method and reference.
    The issue's goal is agreement within 1e-5 of the heatmap's maximum.
-3. Times one batch of Guided Backprop under ``jax.jit`` against plain
-   ``jax.grad`` of the same model (same process) and against Zennit's and
-   Captum's Guided Backprop in PyTorch on the CPU: medians over interleaved
+3. Times one batch of Guided Backprop and of LRP (``EPSILON_PLUS_FLAT``) under
+   ``jax.jit`` against plain ``jax.grad`` of the same model (same process) and
+   against Zennit's (Guided Backprop, ``EpsilonPlusFlat``) and Captum's
+   Guided Backprop in PyTorch on the CPU: medians over interleaved
    repeats, and their ratios; one table per PyTorch thread count
    (``--torch-threads``, default the core count and 1: on a loaded machine
    PyTorch's OpenMP threads at the core count can be many times slower than
@@ -431,6 +434,7 @@ def timing(p: Problem, repeats: int, inner: int, threads: int) -> dict[str, Any]
     xt = torch.from_numpy(p.x)
     fn = p.models["jax"]
     guided = jax.jit(lambda v: gk.attribution.guided_backprop(fn, v, target=tj))
+    lrp = jax.jit(lambda v: gk.attribution.lrp(fn, v, gk.attribution.EPSILON_PLUS_FLAT, target=tj))
     plain = jax.jit(jax.grad(lambda v: jnp.sum(fn(v) * jax.nn.one_hot(tj, CLASSES))))
 
     def torch_grad() -> torch.Tensor:
@@ -442,6 +446,7 @@ def timing(p: Problem, repeats: int, inner: int, threads: int) -> dict[str, Any]
     fns: dict[str, Callable[[], Any]] = {
         "gradkit guided_backprop (jit)": lambda: guided(xj),
         "jax.grad (jit)": lambda: plain(xj),
+        "gradkit lrp EPSILON_PLUS_FLAT (jit)": lambda: lrp(xj),
         "torch autograd gradient": torch_grad,
     }
     zref = zennit("GuidedBackprop")
@@ -450,10 +455,17 @@ def timing(p: Problem, repeats: int, inner: int, threads: int) -> dict[str, Any]
     cref = captum("GuidedBackprop")
     if cref is not None:
         fns["captum GuidedBackprop"] = lambda: cref(p.torch, xt, tt)
+    lref = zennit_lrp("EpsilonPlusFlat")
+    if lref is not None:
+        fns["zennit EpsilonPlusFlat"] = lambda: lref(p.torch, xt, tt)
     torch.set_num_threads(threads)
     t = interleaved(fns, repeats, inner)
     ours = t["gradkit guided_backprop (jit)"]["median_s"]
-    ratios = {f"gradkit / {k}": ours / v["median_s"] for k, v in t.items() if not k.startswith("gradkit")}
+    ratios = {f"gradkit guided_backprop / {k}": ours / v["median_s"] for k, v in t.items()
+              if not k.startswith(("gradkit", "zennit EpsilonPlusFlat"))}
+    ours_lrp = t["gradkit lrp EPSILON_PLUS_FLAT (jit)"]["median_s"]
+    ratios |= {f"gradkit lrp EPSILON_PLUS_FLAT / {k}": ours_lrp / t[k]["median_s"]
+               for k in ("jax.grad (jit)", "zennit EpsilonPlusFlat") if k in t}
     return {"torch_threads": threads, "load_average_1min": os.getloadavg()[0], "seconds": t, "ratios": ratios,
             "repeats": repeats, "inner": inner}
 
