@@ -99,8 +99,9 @@ class Replacements:
         else:
             with self._lock:
                 self.reused += 1
-        return template.replace(invars=[eqn.invars[i] for i in dyn], outvars=list(eqn.outvars),
-                                source_info=eqn.source_info, ctx=eqn.ctx)
+        placed: JaxprEqn = template.replace(invars=[eqn.invars[i] for i in dyn], outvars=list(eqn.outvars),
+                                            source_info=eqn.source_info, ctx=eqn.ctx)
+        return placed
 
 
 def _traced_captures(fn: Any) -> list[str]:
