@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from gradkit._src import compat
 from gradkit._src.core import walk
@@ -30,17 +31,17 @@ ZERO_DERIVATIVE = frozenset({
 })
 
 
-def is_float_aval(aval: Any) -> bool:
+def is_float_aval(aval: object) -> bool:
     dtype = getattr(aval, "dtype", None)
     return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
 
 
-def _same_avals(a: Sequence[Any], b: Sequence[Any]) -> bool:
+def _same_avals(a: Sequence[Any], b: Sequence[Any]) -> bool:  # atoms: JAX types their avals abstractly
     return len(a) == len(b) and all(tuple(x.aval.shape) == tuple(y.aval.shape) and x.aval.dtype == y.aval.dtype
                                     for x, y in zip(a, b))
 
 
-def call_body(eqn: compat.JaxprEqn) -> tuple[Any, list[Any]] | None:
+def call_body(eqn: compat.JaxprEqn) -> tuple[compat.Jaxpr, list[ArrayLike]] | None:
     """``(body, consts)`` when ``eqn`` just calls one sub-program on its own operands; else ``None``.
 
     ``shard_map`` is not a call in this sense: its body sees per-device
@@ -95,7 +96,7 @@ def _while_activity(eqn: compat.JaxprEqn, act_in: Sequence[bool]) -> list[bool]:
         carry = new
 
 
-_RULES: dict[str, Callable[[Any, Sequence[bool]], list[bool]]] = {
+_RULES: dict[str, Callable[[compat.JaxprEqn, Sequence[bool]], list[bool]]] = {
     "scan": lambda eqn, act_in: scan_activity(eqn, act_in)[1],
     "cond": _cond_activity,
     "while": _while_activity,
@@ -119,10 +120,10 @@ def active_outs(eqn: compat.JaxprEqn, act_in: Sequence[bool]) -> list[bool]:
     return [a and f for a, f in zip(outs, floats)]
 
 
-def active_jaxpr(jaxpr: Any, act_in: Sequence[bool]) -> list[bool]:
+def active_jaxpr(jaxpr: compat.Jaxpr, act_in: Sequence[bool]) -> list[bool]:
     """The activity of ``jaxpr``'s outputs given its inputs'."""
-    act: dict[Any, bool] = dict(zip(jaxpr.invars, act_in))
+    act: dict[compat.Var, bool] = dict(zip(jaxpr.invars, act_in))
     for eqn in jaxpr.eqns:
-        ins = [False if compat.is_literal(a) else act.get(a, False) for a in eqn.invars]
+        ins = [False if isinstance(a, compat.Literal) else act.get(a, False) for a in eqn.invars]
         act.update(zip(eqn.outvars, active_outs(eqn, ins)))
-    return [False if compat.is_literal(a) else act.get(a, False) for a in jaxpr.outvars]
+    return [False if isinstance(a, compat.Literal) else act.get(a, False) for a in jaxpr.outvars]

@@ -22,20 +22,20 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from gradkit._src import compat
 from gradkit._src.audit.activity import call_body
-from gradkit._src.audit.explain import fix_file, in_user_terms, loc, nonfinite_indices, select, step
-from gradkit._src.audit.fixes import choose_fix, suggest
+from gradkit._src.audit.explain import Selection, fix_file, in_user_terms, loc, nonfinite_indices, select, step
+from gradkit._src.audit.fixes import Table, choose_fix, suggest
 from gradkit._src.audit.program import Program, describe_input, gradient, make_program
-from gradkit._src.audit.provenance import Label, Provenance
+from gradkit._src.audit.provenance import AtomKey, Label, Provenance
 from gradkit._src.audit.replay.leaf import mask_of
-from gradkit._src.audit.replay.replay import Replay
+from gradkit._src.audit.replay.replay import Birth, Replay
 from gradkit._src.audit.report import AuditReport, Coverage, Finding, Fix, Probe, Step
 from gradkit._src.audit.sweep import sweep as run_sweep
 from gradkit._src.checks.describe import count_nonfinite, def_source, fmt, fmt_index, fn_name, one_line
@@ -50,9 +50,9 @@ _FINDINGS = 4  # independent birth places reported
 _CHAIN = 6  # steps per finding
 
 
-def audit(fn: Callable[..., Any], *args: Any, table: Any = None, argnums: int | Sequence[int] | None = None,
-          fix: bool = True, sweep: bool = False, progress: Callable[[int, int, str], None] | None = None
-          ) -> AuditReport:
+def audit(fn: Callable[..., object], *args: object, table: Table | None = None,
+          argnums: int | Sequence[int] | None = None, fix: bool = True, sweep: bool = False,
+          progress: Callable[[int, int, str], None] | None = None) -> AuditReport:
     """Finds where a non-finite gradient of ``fn`` is born, and what fixes it.
 
     The gradient of the sum of ``fn``'s outputs with respect to every
@@ -155,7 +155,8 @@ def _value_summary(out: Sequence[np.ndarray]) -> str:
 # --------------------------------------------------------------------------- investigation
 
 
-def investigate(prog: Program, fn: Any, table: Any, do_fix: bool) -> tuple[tuple[Finding, ...], str]:
+def investigate(prog: Program, fn: Callable[..., object], table: Table | None,
+                do_fix: bool) -> tuple[tuple[Finding, ...], str]:
     """Replays the gradient; one finding per birth place of the non-finite gradient elements (and a note).
 
     A non-finite input element (differentiated or held) is an atom of its
@@ -179,7 +180,7 @@ def investigate(prog: Program, fn: Any, table: Any, do_fix: bool) -> tuple[tuple
     from_inputs = {a for a in relevant if _is_input(prov.atoms[a][0])}
     born = relevant - from_inputs
     # atoms are elements of births; an atom is a root when nothing relevant caused it
-    roots = sorted({prov.atoms[a][0] for a in born if not (prov.sets[prov.causes[a]] & relevant)})
+    roots = sorted({_birth_key(prov, a) for a in born if not (prov.sets[prov.causes[a]] & relevant)})
     note = inputs.note(prov, from_inputs, _children(replay, born, from_inputs), bool(roots)) if from_inputs else ""
     if not roots:
         if note:
@@ -192,10 +193,10 @@ def investigate(prog: Program, fn: Any, table: Any, do_fix: bool) -> tuple[tuple
                     "True) and without jit to locate it.")
     by_birth: dict[int, set[int]] = {}
     for a in born:
-        by_birth.setdefault(prov.atoms[a][0], set()).add(a)
+        by_birth.setdefault(_birth_key(prov, a), set()).add(a)
     names = _input_names(core, dict(zip(core.invars, prog.dyn_names)), inputs.const_name, consts)
 
-    def selection(key: int, atoms: set[int]) -> Any:
+    def selection(key: int, atoms: set[int]) -> Selection:
         return select(replay.by_key[key], [prov.atoms[a][1:] for a in atoms])
 
     findings = []
@@ -218,8 +219,9 @@ def investigate(prog: Program, fn: Any, table: Any, do_fix: bool) -> tuple[tuple
     return tuple(findings), note
 
 
-def _input_names(jaxpr: Any, names: dict[Any, str | None], const_name: Callable[[Any], str | None],
-                 consts: Sequence[Any] = ()) -> dict[Any, str]:
+def _input_names(jaxpr: compat.Jaxpr, names: dict[compat.Var, str | None],
+                 const_name: Callable[[ArrayLike], str | None],
+                 consts: Sequence[ArrayLike] = ()) -> dict[compat.Var, str]:
     """The audited inputs' names for their variables, followed into called bodies (``jit``).
 
     A held input is a constant of the program, here or in a called body
@@ -235,7 +237,7 @@ def _input_names(jaxpr: Any, names: dict[Any, str | None], const_name: Callable[
         if call is None:
             continue
         inner = {bv: names[a] for a, bv in zip(eqn.invars, call[0].invars)
-                 if not compat.is_literal(a) and names.get(a) is not None}
+                 if not isinstance(a, compat.Literal) and names.get(a) is not None}
         for bv, n in inner.items():
             names[bv] = n if names.get(bv, n) == n else None
         _input_names(call[0], names, const_name, call[1])
@@ -248,16 +250,23 @@ _INPUT = "input"  # the birth key of a non-finite input's atoms: (_INPUT, leaf i
 _LISTED = 6  # input elements named in a note
 
 
-def _is_input(key: Any) -> bool:
+def _is_input(key: AtomKey) -> bool:
     return isinstance(key, tuple) and key[:1] == (_INPUT,)
 
 
-def _children(replay: Replay, born: set[int], from_inputs: set[int]) -> list[Any]:
+def _children(replay: Replay, born: set[int], from_inputs: set[int]) -> list[Birth]:
     """The births that the non-finite inputs' elements turned into something else (inf - inf = NaN)."""
     prov = replay.prov
-    keys = sorted({prov.atoms[a][0] for a in born if prov.sets[prov.causes[a]] & from_inputs})
+    keys = sorted({_birth_key(prov, a) for a in born if prov.sets[prov.causes[a]] & from_inputs})
     return [replay.by_key[k] for k in keys]
 
+
+
+def _birth_key(prov: Provenance, atom: int) -> int:
+    """The key of the birth an atom is an element of (an atom not of an input)."""
+    key = prov.atoms[atom][0]
+    assert isinstance(key, int)
+    return key
 
 class _BadInputs:
     """The non-finite elements of the audited inputs, differentiated or held, as provenance atoms."""
@@ -270,7 +279,7 @@ class _BadInputs:
             m = mask_of(x) if hasattr(x, "dtype") else None
             if m is not None and m.any():
                 self.masks[i] = m
-        self._const: dict[int, tuple[Any, int | None]] = {}  # id(const) -> (const, its leaf)
+        self._const: dict[int, tuple[object, int | None]] = {}  # id(const) -> (const, its leaf)
 
     @property
     def bad(self) -> bool:
@@ -285,7 +294,7 @@ class _BadInputs:
         prov.born(label, (_INPUT, i), 0, m)
         return label
 
-    def leaf_of(self, c: Any) -> int | None:
+    def leaf_of(self, c: ArrayLike) -> int | None:
         """The held leaf a program constant is (the same object, or the same values and NaNs), else None."""
         hit = self._const.get(id(c))
         if hit is not None and hit[0] is c:
@@ -301,11 +310,11 @@ class _BadInputs:
         self._const[id(c)] = (c, found)
         return found
 
-    def label_const(self, prov: Provenance, c: Any) -> Label | None:
+    def label_const(self, prov: Provenance, c: ArrayLike) -> Label | None:
         i = self.leaf_of(c)
         return None if i is None else self.label(prov, i)
 
-    def const_name(self, c: Any) -> str | None:
+    def const_name(self, c: ArrayLike) -> str | None:
         i = self.leaf_of(c)
         return None if i is None else self.names[i]
 
@@ -320,11 +329,12 @@ class _BadInputs:
         return "; ".join(f"{self.names[i]} ({int(m.sum())} of {m.size} elements: "
                          f"{self._elements(i, list(np.flatnonzero(m)))})" for i, m in self.masks.items())
 
-    def note(self, prov: Provenance, atoms: set[int], children: Sequence[Any], born: bool) -> str:
+    def note(self, prov: Provenance, atoms: set[int], children: Sequence[Birth], born: bool) -> str:
         """What the report says of the non-finite input elements (``atoms``) that reach the gradient."""
         per_leaf: dict[int, set[int]] = {}
         for a in atoms:
             key, _, e = prov.atoms[a]
+            assert isinstance(key, tuple)  # an input's atom
             per_leaf.setdefault(key[1], set()).add(e)
         parts = []
         for i, elems in sorted(per_leaf.items()):
@@ -344,7 +354,7 @@ class _BadInputs:
 # --------------------------------------------------------------------------- coverage
 
 
-def _coverage(prog: Program, table: Any) -> Coverage:
+def _coverage(prog: Program, table: Table) -> Coverage:
     """How often each rule of ``table`` matches an equation of the traced program."""
     tbl = table if isinstance(table, RuleTable) else RuleTable(table)
     closed = jax.make_jaxpr(prog.flat())(*prog.dyn)

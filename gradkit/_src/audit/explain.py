@@ -16,11 +16,11 @@ import dataclasses
 import linecache
 import re
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from gradkit._src import compat
 from gradkit._src.audit.provenance import is_elementwise
@@ -158,7 +158,7 @@ def _ctx_of(sel: Selection) -> tuple[Context, ...]:
                  for c in sel.birth.ctx)
 
 
-def step(sel: Selection, input_names: dict[Any, str]) -> Step:
+def step(sel: Selection, input_names: dict[compat.Var, str]) -> Step:
     """The report :class:`Step` of a selection; ``input_names`` names the audited inputs' variables."""
     b = sel.birth
     ctx = _ctx_of(sel)
@@ -192,10 +192,10 @@ _THIN = frozenset({"", "sqrt", "log", "log1p", "log2", "log10", "exp", "exp2", "
                    "arccosh", "reciprocal", "square", "tan", "cbrt", "rsqrt"})
 
 
-def _input_name(b: Birth, k: int, input_names: dict[Any, str]) -> str | None:
+def _input_name(b: Birth, k: int, input_names: dict[compat.Var, str]) -> str | None:
     """The audited input's name when operand ``k`` of ``b``'s equation is that input."""
     atom = b.eqn.invars[k]
-    return None if compat.is_literal(atom) else input_names.get(atom)
+    return None if isinstance(atom, compat.Literal) else input_names.get(atom)
 
 
 def source_operands(eqn: compat.JaxprEqn) -> list[str] | None:
@@ -233,7 +233,7 @@ def source_operands(eqn: compat.JaxprEqn) -> list[str] | None:
     return out if all(out) else None
 
 
-def _arg_name(b: Birth, k: int, input_names: dict[Any, str], texts: Sequence[str] | None = None) -> str:
+def _arg_name(b: Birth, k: int, input_names: dict[compat.Var, str], texts: Sequence[str] | None = None) -> str:
     name = _input_name(b, k, input_names)
     if name is not None:
         return name
@@ -245,7 +245,7 @@ def _arg_name(b: Birth, k: int, input_names: dict[Any, str], texts: Sequence[str
     return names[k] if k < len(names) else f"in{k}"
 
 
-def _elements(sel: Selection, input_names: dict[Any, str]) -> tuple[Element, ...]:
+def _elements(sel: Selection, input_names: dict[compat.Var, str]) -> tuple[Element, ...]:
     b, occ = sel.birth, sel.occ
     if occ is None:
         return ()
@@ -295,7 +295,7 @@ def _summ(a: np.ndarray) -> str:
     return f"{fmt(np.min(fin))}..{fmt(np.max(fin))}"
 
 
-def at(x: Any, mask: np.ndarray) -> np.ndarray | None:
+def at(x: ArrayLike, mask: np.ndarray) -> np.ndarray | None:
     """The values of ``x`` (broadcast to the mask's shape) at the mask, as float64; ``None`` if not numeric."""
     a = np.asarray(x)
     if not jnp.issubdtype(a.dtype, jnp.number):
@@ -417,7 +417,7 @@ def _partial(occ: Occurrence, eqn: compat.JaxprEqn, k: int, mask: np.ndarray) ->
     """∂eqn/∂operand k at the masked elements (a JVP with a ones tangent)."""
     invals = list(occ.invals)
 
-    def f(v: Any) -> Any:
+    def f(v: jax.Array) -> jax.Array:
         vals = list(invals)
         vals[k] = v
         return compat.bind(eqn, vals)[0]
@@ -443,7 +443,7 @@ def zero_cotangent(chain: Sequence[Selection]) -> bool:
     return False
 
 
-def nonfinite_indices(g: Any, limit: int = 16) -> tuple[tuple[int, ...], ...]:
+def nonfinite_indices(g: ArrayLike, limit: int = 16) -> tuple[tuple[int, ...], ...]:
     """The first ``limit`` non-finite elements of ``g``, as multi-indices."""
     m = nonfinite_mask(g)
     if m is None:
@@ -500,7 +500,7 @@ def fix_file(location: str, files: Iterable[str]) -> str:
     return next((f for f in files if f and short_path(f) == path), path)
 
 
-def in_user_terms(fix: Any, file: str) -> Any:
+def in_user_terms(fix: Fix, file: str) -> Fix:
     """A code fix's call and advice as the user would write them, and the line as it reads rewritten.
 
     The call keeps the source's own spelling of the reduction axis

@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -46,6 +46,7 @@ from gradkit._src.audit.verify import Reference, value_check
 from gradkit._src.checks.describe import count_nonfinite, nonfinite_mask, one_line, short_path
 from gradkit._src.core import walk
 from gradkit._src.core.dispatch import op_name, override
+from gradkit._src.core.rule import Rule
 from gradkit._src.core.table import RuleTable
 from gradkit._src.rules import library, tables
 
@@ -58,13 +59,15 @@ _ANYWHERE = 4  # stable rewrites elsewhere in the program re-run when no route v
 _PAIRS = 9  # pairs of partial routes re-run when no route verified alone
 
 
+Table = RuleTable | Mapping[str, Rule]  # what gk.override takes
+
 @dataclasses.dataclass(frozen=True)
 class Patch:
     """Replace equation ``eqn`` by ``fn`` applied to the values of ``atoms`` (variables of its jaxpr)."""
 
     eqn: compat.JaxprEqn
-    atoms: tuple[Any, ...]
-    fn: Callable[..., Any]
+    atoms: tuple[compat.Atom, ...]
+    fn: Callable[..., Sequence[jax.Array]]
 
 
 @dataclasses.dataclass
@@ -72,7 +75,7 @@ class Candidate:
     """A route to try: a table (applied with override), patches of the traced program, or advice only."""
 
     fix: Fix
-    table: Any = None
+    table: RuleTable | None = None
     patches: tuple[Patch, ...] | None = None
 
     @property
@@ -83,7 +86,7 @@ class Candidate:
 # --------------------------------------------------------------------------- candidates
 
 
-def suggest(root: Selection, chain: Sequence[Selection], closed: Any) -> list[Candidate]:
+def suggest(root: Selection, chain: Sequence[Selection], closed: compat.ClosedJaxpr | compat.Jaxpr) -> list[Candidate]:
     """Every route for a finding, in the order they are tried (see the module docstring)."""
     rb = root.birth
     p = rb.name
@@ -128,19 +131,19 @@ def _rewrite(rw: Rewrite) -> Candidate:
 # --------------------------------------------------------------------------- table routes
 
 
-def _program_ops(closed: Any) -> set[str]:
+def _program_ops(closed: compat.ClosedJaxpr | compat.Jaxpr) -> set[str]:
     return {op_name(e) for e, _ in walk.equations(closed)}
 
 
-def _low_precision(closed: Any) -> bool:
+def _low_precision(closed: compat.ClosedJaxpr | compat.Jaxpr) -> bool:
     """The program computes in a float narrower than float32 (what an upcast table changes)."""
     return any(jnp.issubdtype(v.aval.dtype, jnp.floating) and np.dtype(v.aval.dtype).itemsize < 4
                for e, _ in walk.equations(closed) for v in e.outvars if hasattr(v.aval, "dtype"))
 
 
 def _shipped_tables() -> list[tuple[str, RuleTable]]:
-    """The ready tables of :mod:`gradkit.tables`, in its order."""
-    return [(n, t) for n in tables.__all__ if isinstance(t := getattr(tables, n, None), RuleTable)]
+    """The ready tables of :mod:`gradkit.tables`, by name (the order of its ``__all__``)."""
+    return [(n, t) for n, t in sorted(vars(tables).items()) if not n.startswith("_") and isinstance(t, RuleTable)]
 
 
 def _opt_in_rules() -> list[tuple[str, str, tuple[str, ...]]]:
@@ -159,7 +162,7 @@ class _Part:
     on_chain: bool
 
 
-def table_routes(chain: Sequence[Selection], closed: Any) -> list[Candidate]:
+def table_routes(chain: Sequence[Selection], closed: compat.ClosedJaxpr | compat.Jaxpr) -> list[Candidate]:
     """Ready tables with a rule for an op of the program, opt-in rules for an op of the chain, and their unions.
 
     Smaller routes first; among routes of one size, those with a rule for an op
@@ -212,16 +215,16 @@ def _table_candidate(combo: Sequence[_Part], chain_ops: set[str], prog_ops: set[
 # --------------------------------------------------------------------------- applying and checking
 
 
-def patched_program(closed: Any, patches: Sequence[Patch]) -> Any:
+def patched_program(closed: compat.ClosedJaxpr, patches: Sequence[Patch]) -> compat.ClosedJaxpr:
     """``closed`` with each patched equation replaced by one ``jit`` equation calling the patch."""
     by_eqn = {id(p.eqn): p for p in patches}
 
-    def replace(eqn: compat.JaxprEqn) -> list[Any] | None:
+    def replace(eqn: compat.JaxprEqn) -> list[compat.JaxprEqn] | None:
         p = by_eqn.get(id(eqn))
         if p is None or p.eqn is not eqn:
             return None
 
-        def fn(*xs: Any) -> list[Any]:  # the stable function's result, in the replaced equation's avals
+        def fn(*xs: jax.Array) -> list[jax.Array]:  # the stable function's result, in the replaced equation's avals
             outs = [compat.struct_of(v.aval) for v in eqn.outvars]
             return [jnp.asarray(o).astype(s.dtype).reshape(s.shape) for o, s in zip(p.fn(*xs), outs)]
         with compat.source_of(eqn):
@@ -255,13 +258,15 @@ class _Original:
         return self._get()[1]
 
 
-def apply_fix(cand: Candidate, prog: Program, fn: Any, table: Any, closed: Any,
+def apply_fix(cand: Candidate, prog: Program, fn: Callable[..., object], table: Table | None,
+              closed: compat.ClosedJaxpr,
               original: _Original | None = None) -> Fix:
     """Re-runs the gradient with ``cand`` applied; the fix with the verdict filled in."""
     return _apply(cand, prog, fn, table, closed, original or _Original(prog))[0]
 
 
-def _apply(cand: Candidate, prog: Program, fn: Any, table: Any, closed: Any, original: _Original) -> tuple[Fix, int]:
+def _apply(cand: Candidate, prog: Program, fn: Callable[..., object], table: Table | None,
+           closed: compat.ClosedJaxpr, original: _Original) -> tuple[Fix, int]:
     """:func:`apply_fix`, and how many gradient elements are still non-finite (-1: not re-run)."""
     fx = cand.fix
     if not cand.runnable:
@@ -269,6 +274,7 @@ def _apply(cand: Candidate, prog: Program, fn: Any, table: Any, closed: Any, ori
     try:
         rules = cand.table if table is None or cand.table is None else (table | cand.table)
         if cand.patches is None:
+            assert rules is not None  # runnable without patches: a table route
             fixed_flat = prog.with_fn(override(fn, rules)).flat()
         else:
             fixed = patched_program(closed, cand.patches)
@@ -289,7 +295,8 @@ def _apply(cand: Candidate, prog: Program, fn: Any, table: Any, closed: Any, ori
                                value_same=same, value_note=value_note), 0
 
 
-def choose_fix(cands: list[Candidate], prog: Program, fn: Any, table: Any, closed: Any,
+def choose_fix(cands: list[Candidate], prog: Program, fn: Callable[..., object], table: Table | None,
+               closed: compat.ClosedJaxpr,
                do_fix: bool) -> tuple[Fix | None, tuple[Fix, ...]]:
     """Re-runs candidates in order until one verifies; returns (shown fix, alternatives).
 
@@ -340,8 +347,9 @@ def choose_fix(cands: list[Candidate], prog: Program, fn: Any, table: Any, close
     return found, tuple(also + double_where)
 
 
-def _combinations(cands: Sequence[Candidate], partial: list[Candidate], tried: list[Fix], prog: Program, fn: Any,
-                  table: Any, closed: Any, original: _Original) -> Fix | None:
+def _combinations(cands: Sequence[Candidate], partial: list[Candidate], tried: list[Fix], prog: Program,
+                  fn: Callable[..., object], table: Table | None, closed: compat.ClosedJaxpr,
+                  original: _Original) -> Fix | None:
     """A pair of routes that verifies together, each having removed some of the non-finite elements alone.
 
     The stable rewrites anywhere in the program join the partial routes first

@@ -27,8 +27,8 @@ import dataclasses
 import linecache
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
 
+import jax
 import numpy as np
 
 from gradkit._src import compat, stable
@@ -53,13 +53,13 @@ class Op:
     names: tuple[str, ...]
     args: tuple[Node, ...]
     commute: bool = False
-    when: Callable[[Mapping[str, Any]], bool] | None = None
+    when: Callable[[Mapping[str, object]], bool] | None = None
     tag: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
 class Var:
-    """Any operand, captured under ``name`` (the same name twice: the same variable)."""
+    """An operand of any kind, captured under ``name`` (the same name twice: the same variable)."""
 
     name: str
 
@@ -81,7 +81,7 @@ class Alt:
 Node = Op | Var | Const | Alt
 
 
-def op(names: str, *args: Node, commute: bool = False, when: Callable[[Mapping[str, Any]], bool] | None = None,
+def op(names: str, *args: Node, commute: bool = False, when: Callable[[Mapping[str, object]], bool] | None = None,
        tag: str = "") -> Op:
     """``Op`` with names given as ``"log|log1p"``."""
     return Op(tuple(names.split("|")), tuple(args), commute, when, tag)
@@ -130,7 +130,11 @@ def _clip(name: str) -> Node:
 # --------------------------------------------------------------------------- patterns
 
 
-Build = Callable[[Mapping[str, Any]], tuple[tuple[str, ...], Callable[..., Any], str]]
+# What a match captured: an operand under its name, a tagged equation under ``@tag``.
+Capture = compat.Atom | compat.JaxprEqn
+Caps = dict[str, Capture]
+Span = tuple[str, int, str, int, int]  # compat.source_span: file, line, function, start, end column
+Build = Callable[[Mapping[str, Capture]], tuple[tuple[str, ...], Callable[..., jax.Array], str]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,8 +157,10 @@ class Pattern:
     group: str = "expression"
 
 
-def _axes(caps: Mapping[str, Any], tag: str) -> tuple[int, ...]:
-    return tuple(int(a) for a in caps["@" + tag].params.get("axes", ()))
+def _axes(caps: Mapping[str, Capture], tag: str) -> tuple[int, ...]:
+    eqn = caps["@" + tag]
+    assert isinstance(eqn, compat.JaxprEqn)  # an Op's tag records its equation
+    return tuple(int(a) for a in eqn.params.get("axes", ()))
 
 
 def _axis_text(axes: tuple[int, ...]) -> str:
@@ -164,7 +170,7 @@ def _axis_text(axes: tuple[int, ...]) -> str:
 def _unary(function: str, template: str = "") -> Build:
     f = getattr(stable, function)
 
-    def build(caps: Mapping[str, Any]) -> tuple[tuple[str, ...], Callable[..., Any], str]:
+    def build(caps: Mapping[str, Capture]) -> tuple[tuple[str, ...], Callable[..., jax.Array], str]:
         return ("x",), f, template or f"{function}({{x}})"
     return build
 
@@ -172,7 +178,7 @@ def _unary(function: str, template: str = "") -> Build:
 def _binary(function: str, a: str = "x", b: str = "y") -> Build:
     f = getattr(stable, function)
 
-    def build(caps: Mapping[str, Any]) -> tuple[tuple[str, ...], Callable[..., Any], str]:
+    def build(caps: Mapping[str, Capture]) -> tuple[tuple[str, ...], Callable[..., jax.Array], str]:
         return (a, b), f, f"{function}({{{a}}}, {{{b}}})"
     return build
 
@@ -181,7 +187,7 @@ def _signed(function: str, flip: bool) -> Build:
     """``function(±x)`` for a sigmoid captured as ``x`` (sigmoid(x)) or ``x_neg`` (sigmoid(-x_neg))."""
     f = getattr(stable, function)
 
-    def build(caps: Mapping[str, Any]) -> tuple[tuple[str, ...], Callable[..., Any], str]:
+    def build(caps: Mapping[str, Capture]) -> tuple[tuple[str, ...], Callable[..., jax.Array], str]:
         neg = ("x_neg" in caps) != flip
         name = "x_neg" if "x_neg" in caps else "x"
         if neg:
@@ -193,7 +199,7 @@ def _signed(function: str, flip: bool) -> Build:
 def _reduce(function: str, tag: str) -> Build:
     f = getattr(stable, function)
 
-    def build(caps: Mapping[str, Any]) -> tuple[tuple[str, ...], Callable[..., Any], str]:
+    def build(caps: Mapping[str, Capture]) -> tuple[tuple[str, ...], Callable[..., jax.Array], str]:
         axes = _axes(caps, tag)
         return ("x",), lambda v: f(v, axis=axes), f"{function}({{x}}, axis={_axis_text(axes)})"
     return build
@@ -265,11 +271,12 @@ def _name(eqn: compat.JaxprEqn) -> str:
     return compat.eqn_name(eqn) if compat.is_jit(eqn) else eqn.primitive.name
 
 
-def _const(atom: Any, prod: Mapping[Any, compat.JaxprEqn]) -> tuple[np.ndarray, list[Any]] | None:
+def _const(atom: compat.Atom, prod: Mapping[compat.Var, compat.JaxprEqn],
+           ) -> tuple[np.ndarray, list[compat.JaxprEqn]] | None:
     """The value of a literal, seen through conversions and broadcasts; and the equations passed."""
-    passed: list[Any] = []
+    passed: list[compat.JaxprEqn] = []
     for _ in range(4):
-        if compat.is_literal(atom):
+        if isinstance(atom, compat.Literal):  # compat.is_literal
             return np.asarray(atom.val), passed
         eqn = prod.get(atom)
         if eqn is None or eqn.primitive.name not in ("convert_element_type", "broadcast_in_dim", "reshape"):
@@ -279,10 +286,8 @@ def _const(atom: Any, prod: Mapping[Any, compat.JaxprEqn]) -> tuple[np.ndarray, 
     return None
 
 
-Caps = dict[str, Any]
-
-
-def _match(node: Node, atom: Any, prod: Mapping[Any, compat.JaxprEqn], caps: Caps) -> Iterator[tuple[Caps, list[Any]]]:
+def _match(node: Node, atom: compat.Atom, prod: Mapping[compat.Var, compat.JaxprEqn],
+           caps: Caps) -> Iterator[tuple[Caps, list[compat.JaxprEqn]]]:
     """Every way ``atom`` matches ``node``: ``(captures, equations passed)``; the root equation first."""
     if isinstance(node, Var):
         if node.name not in caps:
@@ -297,7 +302,7 @@ def _match(node: Node, atom: Any, prod: Mapping[Any, compat.JaxprEqn], caps: Cap
         for o in node.options:
             yield from _match(o, atom, prod, caps)
     else:
-        eqn = None if compat.is_literal(atom) else prod.get(atom)
+        eqn = None if isinstance(atom, compat.Literal) else prod.get(atom)
         if eqn is None or _name(eqn) not in node.names or len(eqn.invars) != len(node.args):
             return
         if node.when is not None and not node.when(eqn.params):
@@ -309,8 +314,8 @@ def _match(node: Node, atom: Any, prod: Mapping[Any, compat.JaxprEqn], caps: Cap
                 yield c, [eqn] + used
 
 
-def _match_all(nodes: Sequence[Node], atoms: Sequence[Any], prod: Mapping[Any, compat.JaxprEqn],
-               caps: Caps) -> Iterator[tuple[Caps, list[Any]]]:
+def _match_all(nodes: Sequence[Node], atoms: Sequence[compat.Atom], prod: Mapping[compat.Var, compat.JaxprEqn],
+               caps: Caps) -> Iterator[tuple[Caps, list[compat.JaxprEqn]]]:
     if not nodes:
         yield caps, []
         return
@@ -340,12 +345,12 @@ class Rewrite:
 
     pattern: Pattern
     eqn: compat.JaxprEqn
-    atoms: tuple[Any, ...]
-    fn: Callable[..., Any]
+    atoms: tuple[compat.Atom, ...]
+    fn: Callable[..., jax.Array]
     call: str
     covered: tuple[compat.JaxprEqn, ...]
     text: str = ""
-    span: Any = None
+    span: Span | None = None
 
     @property
     def name(self) -> str:
@@ -410,7 +415,7 @@ def _call_args(text: str) -> list[str]:
 class _Source:
     """Source text of equations, an equation inside a library function's body taking its caller's line."""
 
-    def __init__(self, closed: Any) -> None:
+    def __init__(self, closed: compat.ClosedJaxpr | compat.Jaxpr) -> None:
         self._parent: dict[int, compat.JaxprEqn] = {}
         for eqn, _ in walk.equations(closed):
             for sub in walk.subprograms(eqn.params):
@@ -419,23 +424,23 @@ class _Source:
 
     def holder(self, eqn: compat.JaxprEqn) -> compat.JaxprEqn:
         """``eqn``, or the innermost enclosing call equation that has a user source line."""
-        e: Any = eqn
+        e: compat.JaxprEqn | None = eqn
         for _ in range(32):
             if e is None or compat.source_span(e) is not None:
                 break
             e = self._parent.get(id(e))
         return e if e is not None else eqn
 
-    def span(self, eqn: compat.JaxprEqn) -> Any:
+    def span(self, eqn: compat.JaxprEqn) -> Span | None:
         return compat.source_span(self.holder(eqn))
 
     def text(self, eqn: compat.JaxprEqn) -> str:
         return source_text(self.holder(eqn))
 
-    def operand(self, atom: Any, top: compat.JaxprEqn, covered: Sequence[compat.JaxprEqn],
-                prod: Mapping[Any, compat.JaxprEqn]) -> str:
+    def operand(self, atom: compat.Atom, top: compat.JaxprEqn, covered: Sequence[compat.JaxprEqn],
+                prod: Mapping[compat.Var, compat.JaxprEqn]) -> str:
         """The user's text for an operand of a match: what made it, or the argument it was passed as."""
-        if compat.is_literal(atom):
+        if isinstance(atom, compat.Literal):  # compat.is_literal
             return repr(float(np.asarray(atom.val)))
         top_span = self.span(top)
         src = prod.get(atom)
@@ -475,7 +480,8 @@ def _written(eqn: compat.JaxprEqn, source: _Source | None) -> bool:
     return source is not None and source.holder(eqn) is eqn and callee(eqn) in _NUMPY
 
 
-def find(closed: Any, births: Sequence[compat.JaxprEqn], group: str | None = None) -> list[Rewrite]:
+def find(closed: compat.ClosedJaxpr | compat.Jaxpr, births: Sequence[compat.JaxprEqn],
+         group: str | None = None) -> list[Rewrite]:
     """The rewrites whose match covers one of ``births`` (equations where the NaN/inf was born), root first.
 
     Every equation of a jaxpr that holds a birth (inside ``jit``, ``scan``,
@@ -504,23 +510,29 @@ def find(closed: Any, births: Sequence[compat.JaxprEqn], group: str | None = Non
                         continue
                     done.add(pat.function)
                     names, fn, template = pat.build(caps)
-                    texts = [source.operand(caps[n], eqn, covered, prod) for n in names]
-                    rw = Rewrite(pat, eqn, tuple(caps[n] for n in names), fn, _call_text(template, names, texts),
-                                 tuple(covered), source.text(eqn), source.span(eqn))
+                    texts = [source.operand(_operand(caps, n), eqn, covered, prod) for n in names]
+                    rw = Rewrite(pat, eqn, tuple(_operand(caps, n) for n in names), fn,
+                                 _call_text(template, names, texts), tuple(covered), source.text(eqn), source.span(eqn))
                     found.append((min(hits), k, rw))
                     break
     found.sort(key=lambda t: (t[0], t[1]))
     return [rw for _, _, rw in found]
 
 
+
+def _operand(caps: Caps, name: str) -> compat.Atom:
+    atom = caps[name]
+    assert not isinstance(atom, compat.JaxprEqn)  # a name (not an "@tag") captures an operand
+    return atom
+
 # --------------------------------------------------------------------------- a fully masked softmax row
 
 
-def _producer(jaxpr: Any) -> dict[Any, compat.JaxprEqn]:
+def _producer(jaxpr: compat.Jaxpr) -> dict[compat.Var, compat.JaxprEqn]:
     return {v: e for e in jaxpr.eqns for v in e.outvars}
 
 
-def max_shift(closed: Any, eqn: compat.JaxprEqn) -> bool:
+def max_shift(closed: compat.ClosedJaxpr | compat.Jaxpr, eqn: compat.JaxprEqn) -> bool:
     """``eqn`` is the max shift ``x - max(x)`` of a softmax, log_softmax or logsumexp.
 
     Its second operand is the row maximum of its first: a ``reduce_max`` of
@@ -536,7 +548,7 @@ def max_shift(closed: Any, eqn: compat.JaxprEqn) -> bool:
     prod = _producer(holder)
     x, atom = eqn.invars
     for _ in range(8):
-        src = None if compat.is_literal(atom) else prod.get(atom)
+        src = None if isinstance(atom, compat.Literal) else prod.get(atom)
         if src is None:
             return False
         name = src.primitive.name
@@ -555,7 +567,7 @@ def max_shift(closed: Any, eqn: compat.JaxprEqn) -> bool:
     return False
 
 
-def masked_row_advice(closed: Any, eqn: compat.JaxprEqn, line: str) -> str:
+def masked_row_advice(closed: compat.ClosedJaxpr | compat.Jaxpr, eqn: compat.JaxprEqn, line: str) -> str:
     """The code change for a softmax over a fully ``-inf`` row (``""`` when ``eqn`` is not such a max shift)."""
     if not max_shift(closed, eqn):
         return ""

@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from gradkit._src.checks.describe import fn_name, is_float, leaf_names
 from gradkit._src.core.args import Split
@@ -31,19 +32,19 @@ class Program:
       names: a readable name per leaf (all leaves, in order).
     """
 
-    fn: Callable[..., Any]
+    fn: Callable[..., object]
     split: Split
-    dyn: list[Any]
+    dyn: list[ArrayLike]
     names: list[str]
 
     @property
     def dyn_names(self) -> list[str]:
         return [self.names[i] for i in self.split.dyn_pos]
 
-    def leaves(self) -> list[Any]:
+    def leaves(self) -> list[object]:
         return self.split.leaves(self.dyn)
 
-    def call(self, dyn: Sequence[Any]) -> list[jax.Array]:
+    def call(self, dyn: Sequence[ArrayLike]) -> list[jax.Array]:
         """The floating-point output leaves of ``fn`` with ``dyn`` as the differentiated leaves."""
         out = self.fn(*self.split.combine(dyn))
         return [jnp.asarray(v) for v in jax.tree_util.tree_leaves(out)
@@ -52,20 +53,20 @@ class Program:
     def flat(self) -> Callable[..., list[jax.Array]]:
         return lambda *d: self.call(d)
 
-    def with_fn(self, fn: Callable[..., Any]) -> Program:
+    def with_fn(self, fn: Callable[..., object]) -> Program:
         return dataclasses.replace(self, fn=fn)
 
-    def at(self, dyn: Sequence[Any]) -> Program:
+    def at(self, dyn: Sequence[ArrayLike]) -> Program:
         return dataclasses.replace(self, dyn=list(dyn))
 
-    def cast(self, f: Callable[[Any], Any]) -> Program:
+    def cast(self, f: Callable[[Any], Any]) -> Program:  # to_f64: held leaves of any type, and arrays
         """Every leaf (held or differentiated) mapped by ``f``: to float64 for finite differences."""
         statics = tuple(None if x is None else f(x) for x in self.split.statics)
         return dataclasses.replace(self, split=dataclasses.replace(self.split, statics=statics),
                                    dyn=[f(x) for x in self.dyn])
 
 
-def make_program(fn: Callable[..., Any], args: Sequence[Any], argnums: int | Sequence[int] | None) -> Program:
+def make_program(fn: Callable[..., object], args: Sequence[object], argnums: int | Sequence[int] | None) -> Program:
     """Splits ``args``: the float leaves of the ``argnums`` arguments (default: all) are differentiated."""
     leaves, treedef = jax.tree_util.tree_flatten(tuple(args))
     leaves = [jnp.asarray(x) if isinstance(x, (float, complex)) else x for x in leaves]
@@ -81,7 +82,7 @@ def make_program(fn: Callable[..., Any], args: Sequence[Any], argnums: int | Seq
     return Program(fn, split, [leaves[i] for i in dyn_pos], names)
 
 
-def is_inexact(x: Any) -> bool:
+def is_inexact(x: object) -> bool:
     """A floating-point or complex array (or Python float/complex): what the audit differentiates.
 
     A complex input gets the gradient ``jax.grad`` gives a real loss of it
@@ -93,7 +94,8 @@ def is_inexact(x: Any) -> bool:
     return bool(jnp.issubdtype(dtype, jnp.inexact)) or is_float(x)
 
 
-def gradient(flat: Callable[..., list[jax.Array]], dyn: Sequence[Any]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def gradient(flat: Callable[..., list[jax.Array]], dyn: Sequence[ArrayLike],
+             ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """(outputs, gradient of the sum of the outputs) — what ``jax.grad`` would give.
 
     The cotangent of every output element is 1: for a real output that is
@@ -101,14 +103,14 @@ def gradient(flat: Callable[..., list[jax.Array]], dyn: Sequence[Any]) -> tuple[
     is the gradient of the sum of its real parts, which for a holomorphic
     function is ``jax.grad(..., holomorphic=True)``.
     """
-    def run(*d: Any) -> tuple[list[Any], tuple[Any, ...]]:
+    def run(*d: jax.Array) -> tuple[list[jax.Array], tuple[jax.Array, ...]]:
         out, vjp = jax.vjp(flat, *d)
         return out, vjp([jnp.ones_like(o) for o in out])
     out, g = jax.jit(run)(*dyn)
     return [np.asarray(o) for o in out], [np.asarray(x) for x in g]
 
 
-def describe_input(name: str, x: Any) -> str:
+def describe_input(name: str, x: object) -> str:
     """``x: f32[3,4]``."""
     dtype = getattr(x, "dtype", None)
     dtype = np.asarray(x).dtype if dtype is None else dtype  # a PRNG key refuses np.asarray: it has a dtype

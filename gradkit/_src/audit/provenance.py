@@ -22,9 +22,9 @@ read:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
+from jax.typing import ArrayLike
 
 from gradkit._src import compat
 
@@ -66,15 +66,19 @@ def is_elementwise(eqn: compat.JaxprEqn) -> bool:
     return all(compat.struct_of(a.aval).shape in (shape, ()) for a in eqn.invars)
 
 
+# Whose element an atom is: a birth's key (its index in the replay), or ``("input", leaf)`` for an audited input.
+AtomKey = int | tuple[str, int]
+
+
 class Provenance:
     """The interned label sets and atoms of one replay."""
 
     def __init__(self) -> None:
         self.sets: list[frozenset[int]] = [frozenset()]
         self._set_ids: dict[frozenset[int], int] = {frozenset(): 0}
-        self.atoms: list[tuple[Any, int, int]] = []  # (birth key, position, flat element)
+        self.atoms: list[tuple[AtomKey, int, int]] = []  # (birth key, position, flat element)
         self.causes: list[int] = []  # per atom: the set id of the atoms it came from
-        self._atom_ids: dict[tuple[Any, int, int], int] = {}
+        self._atom_ids: dict[tuple[AtomKey, int, int], int] = {}
 
     def intern(self, s: frozenset[int]) -> int:
         sid = self._set_ids.get(s)
@@ -83,7 +87,7 @@ class Provenance:
             self.sets.append(s)
         return sid
 
-    def union_ids(self, ids: Any) -> int:
+    def union_ids(self, ids: ArrayLike) -> int:
         """The set id of the union of the sets ``ids`` name."""
         u = np.unique(np.asarray(ids, dtype=np.int32))
         u = u[u != 0]
@@ -113,7 +117,7 @@ class Provenance:
         out[where] = ids[np.asarray(inverse).reshape(-1)]
         return out
 
-    def born(self, label: Label, key: Any, pos: int, mask: np.ndarray) -> list[int]:
+    def born(self, label: Label, key: AtomKey, pos: int, mask: np.ndarray) -> list[int]:
         """Adds a new atom at each ``mask`` element of ``label`` (in place); returns the elements' flat indices."""
         flat = np.flatnonzero(mask)
         lab = label.reshape(-1)
@@ -133,7 +137,7 @@ class Provenance:
         return set(self.sets[sid])
 
 
-def sources(eqn: compat.JaxprEqn, invals: Sequence[Any]) -> tuple[np.ndarray, list[int], list[int]] | None:
+def sources(eqn: compat.JaxprEqn, invals: Sequence[ArrayLike]) -> tuple[np.ndarray, list[int], list[int]] | None:
     """For a copying op: the flat source of each output element, over the data operands laid end to end.
 
     Returns ``(source per output element, or -1), data operand positions, their

@@ -35,12 +35,12 @@ all True, …)``) or why it was not varied (``not_varied``).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from gradkit._src.audit.program import Program
 from gradkit._src.audit.report import Finding, Probe
@@ -129,7 +129,8 @@ class Sweep(tuple[Probe, ...]):
     inputs: tuple[SweepInput, ...]
     budget: int
 
-    def __new__(cls, probes: Any = (), inputs: Sequence[SweepInput] = (), budget: int = BUDGET) -> Sweep:
+    def __new__(cls, probes: Iterable[Probe] = (), inputs: Sequence[SweepInput] = (),
+                budget: int = BUDGET) -> Sweep:
         self = super().__new__(cls, probes)
         self.inputs = tuple(inputs)
         self.budget = budget
@@ -160,7 +161,7 @@ class _Plan:
     may_reject: bool = False
 
 
-def _kind(x: Any) -> tuple[str, str]:
+def _kind(x: object) -> tuple[str, str]:
     """``(kind, why not varied)`` of a leaf."""
     dtype = getattr(x, "dtype", None)
     if dtype is None:
@@ -307,20 +308,20 @@ class _Runner:
         self.traced = jax.jit(self._run)
         self.passed = True
 
-    def program(self, dyn: Sequence[Any], held_vals: Sequence[Any]) -> Program:
+    def program(self, dyn: Sequence[ArrayLike], held_vals: Sequence[ArrayLike]) -> Program:
         statics = list(self.prog.split.statics)
         for i, v in zip(self.held, held_vals):
             statics[i] = v
         split = dataclasses.replace(self.prog.split, statics=tuple(statics))
         return dataclasses.replace(self.prog, split=split, dyn=list(dyn))
 
-    def _run(self, dyn: Sequence[Any], held_vals: Sequence[Any]) -> tuple[Any, Any]:
+    def _run(self, dyn: Sequence[ArrayLike], held_vals: Sequence[ArrayLike]) -> tuple[jax.Array, jax.Array]:
         p = self.program(dyn, held_vals)
         out, vjp = jax.vjp(p.flat(), *dyn)
         g = vjp([jnp.ones_like(o) for o in out])
         return _all_finite(out), _all_finite(g)
 
-    def __call__(self, dyn: Sequence[Any], held_vals: Sequence[Any]) -> tuple[bool, bool]:
+    def __call__(self, dyn: Sequence[ArrayLike], held_vals: Sequence[ArrayLike]) -> tuple[bool, bool]:
         if self.passed:
             try:
                 vf, gf = self.traced(list(dyn), list(held_vals))
@@ -334,7 +335,7 @@ class _Runner:
         return bool(vf), bool(gf)
 
 
-def _all_finite(xs: Sequence[Any]) -> Any:
+def _all_finite(xs: Sequence[ArrayLike]) -> jax.Array:
     checks = [jnp.all(jnp.isfinite(x)) for x in xs if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)]
     return jnp.all(jnp.stack(checks)) if checks else jnp.asarray(True)
 
@@ -354,9 +355,10 @@ def sweep(prog: Program, progress: Callable[[int, int, str], None] | None,
     runner = _Runner(prog, held)
     results: list[tuple[_Plan, bool | None, bool, str]] = []  # (plan, value finite, grad finite, error)
 
-    def inputs(p: _Plan) -> tuple[list[Any], list[Any]]:
+    def inputs(p: _Plan) -> tuple[list[ArrayLike], list[ArrayLike]]:
         """The dynamic and held inputs with ``p``'s value in its leaf."""
-        dyn, hv = list(prog.dyn), list(base_held)
+        dyn = list(prog.dyn)
+        hv: list[ArrayLike] = list(base_held)
         if p.leaf in dyn_at:
             dyn[dyn_at[p.leaf]] = jnp.asarray(p.value)
         else:

@@ -34,13 +34,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from gradkit._src.audit.program import Program
+from gradkit._src.checks import fd
 from gradkit._src.checks.describe import fmt, one_line, to_f64
 from gradkit._src.checks.fd import batch_size, call_jit, evaluate, nbytes, select_coords
 
@@ -156,7 +157,7 @@ class _Deltas:
         self.pos, self.index, self.steps = pos, index, steps
         self.directions = list(directions)
 
-    def __getitem__(self, rows: Any) -> tuple[np.ndarray, ...]:
+    def __getitem__(self, rows: ArrayLike) -> tuple[np.ndarray, ...]:
         one = np.ndim(rows) == 0
         rows = np.atleast_1d(np.asarray(rows))
         out = [np.zeros((len(rows), int(np.prod(shape, dtype=np.int64))), dtype) for shape, dtype in self.shapes]
@@ -255,7 +256,7 @@ class Reference:
                                + [np.array([0])]).astype(np.int64)
         scales = np.append(np.concatenate([(st[:, None] * _SIDES).reshape(-1) for st in alls]), 0.0)
         batch = batch_size((mine, mine), len(scales))  # a perturbed copy of the group, and its perturbation
-        runs: dict[Any, Any] = {}  # one compilation for the coordinates and the directions
+        runs: fd.Compiled = {}  # one compilation for the coordinates and the directions
         vals = evaluate(total, mine, _add, _Deltas(mine, leaf, index, scales), np.arange(len(scales)), scales,
                         held, batch=batch, cache=runs)[:, 0]
         f0 = float(vals[-1])
@@ -416,6 +417,6 @@ def value_check(before: Sequence[np.ndarray], after: Sequence[np.ndarray],
     return not farther, text
 
 
-def _real64(x: Any) -> np.ndarray:
+def _real64(x: ArrayLike) -> np.ndarray:
     a = np.asarray(x)
     return np.abs(a).astype(np.float64) if a.dtype.kind == "c" else a.astype(np.float64)

@@ -14,10 +14,12 @@ Operand layouts come from :mod:`gradkit._src.compat` (``scan_layout``…).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from gradkit._src import compat
 from gradkit._src.audit.activity import call_body, scan_activity
@@ -25,6 +27,9 @@ from gradkit._src.audit.provenance import Label
 from gradkit._src.audit.replay.leaf import LEAF
 from gradkit._src.audit.replay.state import Context, Ct, Frame, Handler
 from gradkit._src.core.dispatch import op_name
+
+if TYPE_CHECKING:  # the replay runs the handlers; they call back into it
+    from gradkit._src.audit.replay.replay import Replay
 
 Labels = list[Label | None]
 
@@ -43,9 +48,22 @@ def _stack(labels: Sequence[Label | None], shape: tuple[int, ...]) -> Label | No
     return np.stack([np.zeros(shape, np.int32) if lb is None else lb for lb in labels])
 
 
+
+def _row(x: ArrayLike, i: int) -> ArrayLike:
+    """Row ``i`` of a scanned-over input (an array with a leading axis)."""
+    assert isinstance(x, (jax.Array, np.ndarray))
+    return x[i]
+
+
+def _sub(frame: Frame, idx: int) -> Frame:
+    """The frame a cond or call equation's forward kept."""
+    sub = frame.subs[idx]
+    assert isinstance(sub, Frame)
+    return sub
+
 class Scan:
-    def forward(self, rp: Any, frame: Frame, idx: int, eqn: compat.JaxprEqn, invals: list[Any], act_in: list[bool],
-                labels: Labels) -> tuple[list[Any], Labels]:
+    def forward(self, rp: Replay, frame: Frame, idx: int, eqn: compat.JaxprEqn, invals: list[ArrayLike],
+                act_in: list[bool], labels: Labels) -> tuple[list[ArrayLike], Labels]:
         lay = compat.scan_layout(eqn)
         body, bconsts = compat.jaxpr_parts(lay.body)
         nc, nk, n = lay.num_consts, lay.num_carry, lay.length
@@ -53,11 +71,11 @@ class Scan:
         consts, carry, xs = invals[:nc], list(invals[nc:nc + nk]), invals[nc + nk:]
         l_consts, l_carry, l_xs = labels[:nc], list(labels[nc:nc + nk]), labels[nc + nk:]
         frames: list[Frame | None] = [None] * n
-        ys: list[list[Any]] = [[] for _ in range(n)]
+        ys: list[list[ArrayLike]] = [[] for _ in range(n)]
         l_ys: list[Labels] = [[] for _ in range(n)]
         for step in range(n):
             i = n - 1 - step if lay.reverse else step
-            sub = rp.forward(body, bconsts, list(consts) + carry + [x[i] for x in xs], body_act,
+            sub = rp.forward(body, bconsts, list(consts) + carry + [_row(x, i) for x in xs], body_act,
                              list(l_consts) + l_carry + [_slice(lb, i) for lb in l_xs],
                              frame.ctx + (Context("scan", eqn, i, n),))
             frames[i] = sub
@@ -67,26 +85,29 @@ class Scan:
         frame.subs[idx] = frames
         stacked, l_stacked = [], []
         for k, v in enumerate(eqn.outvars[nk:]):
-            out = compat.struct_of(v.aval)
-            item = tuple(out.shape[1:])
-            stacked.append(jnp.stack([ys[i][k] for i in range(n)]) if n else jnp.zeros(out.shape, out.dtype))
+            st = compat.struct_of(v.aval)
+            item = tuple(st.shape[1:])
+            stacked.append(jnp.stack([ys[i][k] for i in range(n)]) if n else jnp.zeros(st.shape, st.dtype))
             l_stacked.append(_stack([l_ys[i][k] for i in range(n)], item) if n else None)
         return list(carry) + stacked, list(l_carry) + l_stacked
 
-    def backward(self, rp: Any, frame: Frame, idx: int, eqn: compat.JaxprEqn, out_cts: list[Ct]) -> list[Ct]:
+    def backward(self, rp: Replay, frame: Frame, idx: int, eqn: compat.JaxprEqn, out_cts: list[Ct]) -> list[Ct]:
         frames = frame.subs[idx]
+        assert isinstance(frames, list)  # what forward kept: one frame per iteration
         lay = compat.scan_layout(eqn)
         nc, nk, n = lay.num_consts, lay.num_carry, lay.length
         carry_ct = list(out_cts[:nk])
         ys_ct = out_cts[nk:]
         consts_ct: list[Ct] = [None] * nc
         n_xs = len(eqn.invars) - nc - nk
-        xs_ct: list[list[Any]] = [[None] * n for _ in range(n_xs)]
+        xs_ct: list[list[jax.Array | np.ndarray | None]] = [[None] * n for _ in range(n_xs)]
         xs_lab: list[list[Label | None]] = [[None] * n for _ in range(n_xs)]
         for step in range(n):
             i = step if lay.reverse else n - 1 - step  # the forward order, reversed
             y_i = [None if c is None else (c[0][i], _slice(c[1], i)) for c in ys_ct]
-            in_ct = rp.backward(frames[i], carry_ct + y_i)
+            sub = frames[i]
+            assert sub is not None  # every iteration ran forward
+            in_ct = rp.backward(sub, carry_ct + y_i)
             for k in range(nc):
                 consts_ct[k] = rp.add_ct(consts_ct[k], in_ct[k])
             carry_ct = list(in_ct[nc:nc + nk])
@@ -107,8 +128,8 @@ class Scan:
 
 
 class Cond:
-    def forward(self, rp: Any, frame: Frame, idx: int, eqn: compat.JaxprEqn, invals: list[Any], act_in: list[bool],
-                labels: Labels) -> tuple[list[Any], Labels]:
+    def forward(self, rp: Replay, frame: Frame, idx: int, eqn: compat.JaxprEqn, invals: list[ArrayLike],
+                act_in: list[bool], labels: Labels) -> tuple[list[ArrayLike], Labels]:
         branches = compat.cond_layout(eqn).branches
         k = int(np.clip(int(np.asarray(invals[0])), 0, len(branches) - 1))
         body, consts = compat.jaxpr_parts(branches[k])
@@ -117,13 +138,14 @@ class Cond:
         frame.subs[idx] = sub
         return sub.outputs(), sub.output_labels()
 
-    def backward(self, rp: Any, frame: Frame, idx: int, eqn: compat.JaxprEqn, out_cts: list[Ct]) -> list[Ct]:
-        return [None] + rp.backward(frame.subs[idx], out_cts)
+    def backward(self, rp: Replay, frame: Frame, idx: int, eqn: compat.JaxprEqn, out_cts: list[Ct]) -> list[Ct]:
+        predicate: list[Ct] = [None]
+        return predicate + rp.backward(_sub(frame, idx), out_cts)
 
 
 class While:
-    def forward(self, rp: Any, frame: Frame, idx: int, eqn: compat.JaxprEqn, invals: list[Any], act_in: list[bool],
-                labels: Labels) -> tuple[list[Any], Labels]:
+    def forward(self, rp: Replay, frame: Frame, idx: int, eqn: compat.JaxprEqn, invals: list[ArrayLike],
+                act_in: list[bool], labels: Labels) -> tuple[list[ArrayLike], Labels]:
         """Runs the loop one iteration at a time (births inside get the iteration number).
 
         Nothing is kept for the backward pass. After ``rp.max_while``
@@ -150,13 +172,13 @@ class While:
             carry, l_carry = sub.outputs(), sub.output_labels()
             k += 1
 
-    def backward(self, rp: Any, frame: Frame, idx: int, eqn: compat.JaxprEqn, out_cts: list[Ct]) -> list[Ct]:
+    def backward(self, rp: Replay, frame: Frame, idx: int, eqn: compat.JaxprEqn, out_cts: list[Ct]) -> list[Ct]:
         return LEAF.backward(rp, frame, idx, eqn, out_cts)  # JAX's own error for an active while loop
 
 
 class Call:
-    def forward(self, rp: Any, frame: Frame, idx: int, eqn: compat.JaxprEqn, invals: list[Any], act_in: list[bool],
-                labels: Labels) -> tuple[list[Any], Labels]:
+    def forward(self, rp: Replay, frame: Frame, idx: int, eqn: compat.JaxprEqn, invals: list[ArrayLike],
+                act_in: list[bool], labels: Labels) -> tuple[list[ArrayLike], Labels]:
         body, consts = call_body(eqn)  # type: ignore[misc]  # Call is chosen only when there is one
         label = _jit_label(eqn)
         ctx = frame.ctx + ((Context("jit", eqn, name=label),) if label else ())
@@ -164,8 +186,8 @@ class Call:
         frame.subs[idx] = sub
         return sub.outputs(), sub.output_labels()
 
-    def backward(self, rp: Any, frame: Frame, idx: int, eqn: compat.JaxprEqn, out_cts: list[Ct]) -> list[Ct]:
-        return rp.backward(frame.subs[idx], out_cts)
+    def backward(self, rp: Replay, frame: Frame, idx: int, eqn: compat.JaxprEqn, out_cts: list[Ct]) -> list[Ct]:
+        return rp.backward(_sub(frame, idx), out_cts)
 
 
 def _jit_label(eqn: compat.JaxprEqn) -> str:

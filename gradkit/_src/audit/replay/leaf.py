@@ -16,20 +16,24 @@ record which births every non-finite element came from.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from gradkit._src import compat
 from gradkit._src.audit.activity import is_float_aval
 from gradkit._src.audit.provenance import COPYING, READS_COTANGENT_ONLY, Label, Provenance, is_elementwise, sources
-from gradkit._src.audit.replay.state import Context, Ct, Frame
+from gradkit._src.audit.replay.state import Context, Ct, Frame, Values
 from gradkit._src.checks.describe import nonfinite_mask
 
+if TYPE_CHECKING:  # the replay runs the handlers; they call back into it
+    from gradkit._src.audit.replay.replay import Replay
 
-def mask_of(x: Any, kind: str = "any") -> np.ndarray | None:
+
+def mask_of(x: object, kind: str = "any") -> np.ndarray | None:
     """``nonfinite_mask`` of any value an equation reads or makes; ``None`` for one that is not inexact.
 
     PRNG key arrays (``key<fry>``) and ``float0`` cotangents are decided by
@@ -41,13 +45,13 @@ def mask_of(x: Any, kind: str = "any") -> np.ndarray | None:
     return nonfinite_mask(x, kind)
 
 
-def _nf(x: Any, kind: str) -> np.ndarray:
+def _nf(x: ArrayLike, kind: str) -> np.ndarray:
     """``nonfinite_mask`` of a value that is inexact here (its mask is never ``None``)."""
     m = mask_of(x, kind)
     return np.zeros(np.shape(x), bool) if m is None else m
 
 
-def _masks(values: Sequence[Any], shape: tuple[int, ...], kind: str) -> np.ndarray:
+def _masks(values: Sequence[ArrayLike], shape: tuple[int, ...], kind: str) -> np.ndarray:
     """Where any of ``values`` (each of ``shape`` or a scalar) is NaN (``"nan"``) or non-finite (``"any"``)."""
     out = np.zeros(shape, bool)
     for v in values:
@@ -57,11 +61,11 @@ def _masks(values: Sequence[Any], shape: tuple[int, ...], kind: str) -> np.ndarr
     return out
 
 
-def _any(values: Sequence[Any], kind: str) -> bool:
+def _any(values: Sequence[object], kind: str) -> bool:
     return any(m is not None and bool(m.any()) for m in (mask_of(v, kind) for v in values))
 
 
-def _zeros_ct(aval: Any) -> Any:
+def _zeros_ct(aval: Any) -> jax.Array | np.ndarray:  # an aval with a shape and dtype
     if is_float_aval(aval):
         return jnp.zeros(aval.shape, aval.dtype)
     return compat.float0_zeros(tuple(aval.shape))
@@ -100,19 +104,19 @@ class Leaf:
 
     # ------------------------------------------------------------------ forward
 
-    def forward(self, rp: Any, frame: Frame, idx: int, eqn: compat.JaxprEqn, invals: list[Any], act_in: list[bool],
-                labels: list[Label | None]) -> tuple[list[Any], list[Label | None]]:
+    def forward(self, rp: Replay, frame: Frame, idx: int, eqn: compat.JaxprEqn, invals: list[ArrayLike],
+                act_in: list[bool], labels: list[Label | None]) -> tuple[list[ArrayLike], list[Label | None]]:
         with compat.source_of(eqn):
             outs = compat.bind(eqn, invals)
         return outs, self.forward_labels(rp, frame.ctx, eqn, invals, labels, outs)
 
-    def forward_labels(self, rp: Any, ctx: tuple[Context, ...], eqn: compat.JaxprEqn, invals: list[Any],
-                       labels: list[Label | None], outs: list[Any]) -> list[Label | None]:
+    def forward_labels(self, rp: Replay, ctx: tuple[Context, ...], eqn: compat.JaxprEqn, invals: list[ArrayLike],
+                       labels: list[Label | None], outs: list[ArrayLike]) -> list[Label | None]:
         bad = [mask_of(o) for o in outs]
         if not any(m is not None and m.any() for m in bad):
             return [None] * len(outs)
         prov: Provenance = rp.prov
-        values = dict(invals=list(invals), outvals=list(outs))
+        values: Values = {"invals": list(invals), "outvals": list(outs)}
         if is_elementwise(eqn):
             shape = np.shape(outs[0])
             if eqn.primitive.name == "select_n":  # element e is a copy of the case it selects
@@ -153,21 +157,21 @@ class Leaf:
         return result
 
     @staticmethod
-    def _births(rp: Any, eqn: compat.JaxprEqn, phase: str, ctx: tuple[Context, ...], pos: int, label: np.ndarray,
-                born: dict[str, np.ndarray], values: dict[str, Any]) -> None:
+    def _births(rp: Replay, eqn: compat.JaxprEqn, phase: str, ctx: tuple[Context, ...], pos: int, label: np.ndarray,
+                born: dict[str, np.ndarray], values: Values) -> None:
         for kind in ("nan", "inf"):
             if born[kind].any():
                 rp.record(eqn, phase, kind, ctx, pos, born[kind], label, values)
 
     # ------------------------------------------------------------------ backward
 
-    def backward(self, rp: Any, frame: Frame, idx: int, eqn: compat.JaxprEqn, out_cts: list[Ct]) -> list[Ct]:
+    def backward(self, rp: Replay, frame: Frame, idx: int, eqn: compat.JaxprEqn, out_cts: list[Ct]) -> list[Ct]:
         invals = [frame.read(a) for a in eqn.invars]
         dyn = tuple(k for k, a in enumerate(eqn.invars) if frame.is_active(a) and is_float_aval(a.aval))
         if not dyn:
             return [None] * len(eqn.invars)
 
-        def f(*d: Any) -> list[Any]:
+        def f(*d: jax.Array) -> list[jax.Array]:
             vals = list(invals)
             for k, x in zip(dyn, d):
                 vals[k] = x
@@ -181,10 +185,10 @@ class Leaf:
         ct_labels = [None if c is None else c[1] for c in out_cts]
         in_labels = [frame.label(a) for a in eqn.invars]
         out_labels = [frame.label(v) for v in eqn.outvars]
-        in_cts: list[Any] = [None] * len(invals)
+        in_cts: list[ArrayLike | None] = [None] * len(invals)
         for k, g in zip(dyn, got):
             in_cts[k] = g
-        values = dict(invals=invals, outvals=outvals, out_cts=cts, in_cts=in_cts)
+        values: Values = {"invals": invals, "outvals": outvals, "out_cts": cts, "in_cts": in_cts}
         prov: Provenance = rp.prov
         elementwise = is_elementwise(eqn)
         copying = sources(_integer_fill(eqn), invals) if eqn.primitive.name in COPYING else None

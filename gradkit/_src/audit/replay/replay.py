@@ -19,16 +19,16 @@ back to the elements of the equations where its NaN or inf was born.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import numpy as np
+from jax.typing import ArrayLike
 
 from gradkit._src import compat
 from gradkit._src.audit.activity import ZERO_DERIVATIVE, active_outs, call_body
 from gradkit._src.audit.provenance import Label, Provenance
 from gradkit._src.audit.replay.control import CALL, HANDLERS
 from gradkit._src.audit.replay.leaf import LEAF
-from gradkit._src.audit.replay.state import Birth, Context, Ct, Frame, Handler, loop_indices
+from gradkit._src.audit.replay.state import Birth, Context, Ct, Frame, Handler, Values, loop_indices
 from gradkit._src.checks.describe import nonfinite_mask
 
 __all__ = ["Birth", "Context", "Frame", "Replay"]
@@ -46,15 +46,15 @@ class Replay:
     """
 
     def __init__(self, max_births: int = 200, max_while: int = 1000,
-                 const_label: Callable[[Any], Label | None] | None = None) -> None:
-        self.births: dict[tuple[Any, ...], Birth] = {}
+                 const_label: Callable[[ArrayLike], Label | None] | None = None) -> None:
+        self.births: dict[tuple[int, str, str, tuple[tuple[str, int, int | None], ...]], Birth] = {}
         self.by_key: list[Birth] = []
         self.prov = Provenance()
         self.max_births = max_births
         self.max_while = max_while
         # The labels of a program constant (at any depth) that is a non-finite input: see audit.investigate.
         self.const_label = const_label
-        self._handlers: dict[int, tuple[Any, Handler]] = {}
+        self._handlers: dict[int, tuple[compat.JaxprEqn, Handler]] = {}
 
     def handler(self, eqn: compat.JaxprEqn) -> Handler:
         hit = self._handlers.get(id(eqn))
@@ -66,7 +66,7 @@ class Replay:
     # ------------------------------------------------------------------ births
 
     def record(self, eqn: compat.JaxprEqn, phase: str, kind: str, ctx: tuple[Context, ...], pos: int, mask: np.ndarray,
-               label: Label, values: dict[str, Any]) -> None:
+               label: Label, values: Values) -> None:
         """Notes that the ``mask`` elements of position ``pos`` were born here; adds their atoms to ``label``."""
         key = (id(eqn), phase, kind, tuple(c.static() for c in ctx))
         b = self.births.get(key)
@@ -89,8 +89,9 @@ class Replay:
 
     # ------------------------------------------------------------------ forward
 
-    def forward(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], active: Sequence[bool],
-                labels: Sequence[Label | None] | None = None, ctx: tuple[Context, ...] = ()) -> Frame:
+    def forward(self, jaxpr: compat.Jaxpr, consts: Sequence[ArrayLike], args: Sequence[ArrayLike],
+                active: Sequence[bool], labels: Sequence[Label | None] | None = None,
+                ctx: tuple[Context, ...] = ()) -> Frame:
         """Evaluates ``jaxpr``; returns its :class:`Frame` (values, labels, activity, what handlers kept)."""
         frame = Frame(jaxpr, {}, {}, {}, ctx)
         for v, x in zip(jaxpr.constvars, consts):
@@ -126,17 +127,17 @@ class Replay:
     def backward(self, frame: Frame, out_cts: Sequence[Ct]) -> list[Ct]:
         """Cotangents of ``frame.jaxpr``'s inputs given its outputs' (None = zero)."""
         jaxpr = frame.jaxpr
-        ct: dict[Any, Ct] = {}
+        ct: dict[compat.Var, Ct] = {}
 
-        def put(v: Any, c: Ct) -> None:
-            if c is not None and frame.is_active(v):
+        def put(v: compat.Atom, c: Ct) -> None:
+            if c is not None and not isinstance(v, compat.Literal) and frame.is_active(v):
                 ct[v] = self.add_ct(ct.get(v), c)
 
         for v, c in zip(jaxpr.outvars, out_cts):
             put(v, c)
         for idx in range(len(jaxpr.eqns) - 1, -1, -1):
             eqn = jaxpr.eqns[idx]
-            outs = [None if compat.is_literal(v) else ct.get(v) for v in eqn.outvars]
+            outs = [None if isinstance(v, compat.Literal) else ct.get(v) for v in eqn.outvars]
             if all(c is None for c in outs) or eqn.primitive.name in ZERO_DERIVATIVE:
                 continue
             for v, c in zip(eqn.invars, self.handler(eqn).backward(self, frame, idx, eqn, outs)):

@@ -11,16 +11,30 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol, TypedDict
 
+import jax
 import numpy as np
+from jax.typing import ArrayLike
 
 from gradkit._src import compat
 from gradkit._src.audit.provenance import Label
 from gradkit._src.core.dispatch import op_name
 
+if TYPE_CHECKING:  # the replay runs the handlers; they call back into it
+    from gradkit._src.audit.replay.replay import Replay
+
 # A cotangent and its labels; None is a zero cotangent.
-Ct = tuple[Any, Label | None] | None
+Ct = tuple[jax.Array | np.ndarray, Label | None] | None
+
+
+class Values(TypedDict, total=False):
+    """The values an :class:`Occurrence` keeps (its fields): the backward pass adds the cotangents."""
+
+    invals: list[ArrayLike]
+    outvals: list[ArrayLike]
+    out_cts: list[jax.Array | np.ndarray]
+    in_cts: list[ArrayLike | None]
 
 _KEEP_OCCURRENCES = 32  # values kept per birth (a scan can repeat one for every iteration)
 
@@ -35,7 +49,7 @@ class Context:
     size: int = 0  # scan: length; cond: number of branches; while: 0 (not known up front)
     name: str = ""
 
-    def static(self) -> tuple[Any, ...]:
+    def static(self) -> tuple[str, int, int | None]:
         """What tells two places apart: the equation, and for a cond the branch (not the iteration)."""
         return (self.kind, id(self.eqn), self.index if self.kind == "cond" else None)
 
@@ -56,10 +70,10 @@ class Occurrence:
     """
 
     loops: tuple[int, ...]
-    invals: list[Any]
-    outvals: list[Any]
-    out_cts: list[Any] | None = None
-    in_cts: list[Any] | None = None
+    invals: list[ArrayLike]
+    outvals: list[ArrayLike]
+    out_cts: list[jax.Array | np.ndarray] | None = None
+    in_cts: list[ArrayLike | None] | None = None
     masks: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
 
     @property
@@ -91,7 +105,7 @@ class Birth:
         """The equation is a gradkit rule applied by a table (its backward is the rule)."""
         return compat.rule_target(self.eqn) is not None
 
-    def occurrence(self, ctx: Sequence[Context], values: dict[str, Any]) -> Occurrence | None:
+    def occurrence(self, ctx: Sequence[Context], values: Values) -> Occurrence | None:
         """The stored occurrence for ``ctx`` (made from ``values`` if new); ``None`` past the keep limit."""
         loops = loop_indices(ctx)
         for occ in self.occurrences:
@@ -108,23 +122,24 @@ class Birth:
 class Frame:
     """Forward values of one jaxpr evaluation, kept for the backward pass."""
 
-    jaxpr: Any
-    env: dict[Any, Any]
-    labels: dict[Any, Label | None]
-    active: dict[Any, bool]
+    jaxpr: compat.Jaxpr
+    env: dict[compat.Var, ArrayLike]
+    labels: dict[compat.Var, Label | None]
+    active: dict[compat.Var, bool]
     ctx: tuple[Context, ...]
-    subs: dict[int, Any] = dataclasses.field(default_factory=dict)  # per equation: what its handler kept
+    # per equation: what its handler kept (a scan: one frame per iteration)
+    subs: dict[int, Frame | list[Frame | None]] = dataclasses.field(default_factory=dict)
 
-    def read(self, atom: Any) -> Any:
+    def read(self, atom: compat.Atom) -> ArrayLike:
         return compat.read_atom(self.env, atom)
 
-    def label(self, atom: Any) -> Label | None:
-        return None if compat.is_literal(atom) else self.labels.get(atom)
+    def label(self, atom: compat.Atom) -> Label | None:
+        return None if isinstance(atom, compat.Literal) else self.labels.get(atom)
 
-    def is_active(self, atom: Any) -> bool:
-        return not compat.is_literal(atom) and self.active.get(atom, False)
+    def is_active(self, atom: compat.Atom) -> bool:
+        return not isinstance(atom, compat.Literal) and self.active.get(atom, False)
 
-    def outputs(self) -> list[Any]:
+    def outputs(self) -> list[ArrayLike]:
         return [self.read(a) for a in self.jaxpr.outvars]
 
     def output_labels(self) -> list[Label | None]:
@@ -134,7 +149,7 @@ class Frame:
 class Handler(Protocol):
     """How the replay runs one kind of equation forward and backward (see :mod:`replay_control`)."""
 
-    def forward(self, rp: Any, frame: Frame, idx: int, eqn: compat.JaxprEqn, invals: list[Any], act_in: list[bool],
-                labels: list[Label | None]) -> tuple[list[Any], list[Label | None]]: ...
+    def forward(self, rp: Replay, frame: Frame, idx: int, eqn: compat.JaxprEqn, invals: list[ArrayLike],
+                act_in: list[bool], labels: list[Label | None]) -> tuple[list[ArrayLike], list[Label | None]]: ...
 
-    def backward(self, rp: Any, frame: Frame, idx: int, eqn: compat.JaxprEqn, out_cts: list[Ct]) -> list[Ct]: ...
+    def backward(self, rp: Replay, frame: Frame, idx: int, eqn: compat.JaxprEqn, out_cts: list[Ct]) -> list[Ct]: ...
