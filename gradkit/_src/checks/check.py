@@ -22,12 +22,12 @@ import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import jax.test_util
 import numpy as np
+from jax.typing import ArrayLike, DTypeLike
 
 from gradkit._src.checks.describe import fmt, fmt_index, fn_name, is_float, leaf_names, one_line, relative_error, to_f64
 from gradkit._src.checks.fd import NOT_JITTABLE, call_jit, differences, select_coords
@@ -46,7 +46,7 @@ _EPS64 = float(np.finfo(np.float64).eps)
 # --------------------------------------------------------------------------- a function of one input leaf
 
 
-def flat_output(out: Any) -> jax.Array:
+def flat_output(out: object) -> jax.Array:
     """All inexact leaves of a function's output, raveled and concatenated."""
     leaves = [jnp.ravel(jnp.asarray(v)) for v in jax.tree_util.tree_leaves(out)
               if jnp.issubdtype(jnp.asarray(v).dtype, jnp.inexact)]
@@ -58,7 +58,7 @@ def flat_output(out: Any) -> jax.Array:
     return jnp.concatenate([v.astype(dtype) for v in leaves])
 
 
-def output_shape(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[int, ...]:
+def output_shape(fn: Callable[..., object], args: Sequence[object]) -> tuple[int, ...]:
     """The shape derivative labels use: the output's, if it is one array; else the flat concatenation's."""
     leaves = [v for v in jax.tree_util.tree_leaves(jax.eval_shape(fn, *args)) if jnp.issubdtype(v.dtype, jnp.inexact)]
     if len(leaves) == 1:
@@ -66,16 +66,17 @@ def output_shape(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[int, ...]
     return (int(sum(np.prod(v.shape, dtype=int) for v in leaves)),)
 
 
-def float_inputs(fn: Any, args: Sequence[Any]) -> tuple[Split, list[Any], list[str]]:
+def float_inputs(fn: Callable[..., object], args: Sequence[object]) -> tuple[Split, list[ArrayLike], list[str]]:
     """``args`` split into floating-point leaves (differentiated) and the rest; a name per float leaf."""
     split, dyn = partition(tuple(args), dynamic=is_float)
     names = leaf_names(fn, args)
     return split, dyn, [names[i] for i in split.dyn_pos]
 
 
-def partial_fn(fn: Callable[..., Any], split: Split, dyn: Sequence[Any], k: int) -> Callable[[Any], jax.Array]:
+def partial_fn(fn: Callable[..., object], split: Split, dyn: Sequence[ArrayLike],
+               k: int) -> Callable[[jax.Array], jax.Array]:
     """``x -> flat output of fn`` with every float leaf but the ``k``-th held at its value."""
-    def h(x: Any) -> jax.Array:
+    def h(x: jax.Array) -> jax.Array:
         d = list(dyn)
         d[k] = x
         return flat_output(fn(*split.combine(d)))
@@ -94,7 +95,7 @@ def derivative_label(order: int, out_shape: tuple[int, ...], out_idx: int, in_sh
 # --------------------------------------------------------------------------- tolerances and steps
 
 
-def default_tolerance(dtype: Any) -> float:
+def default_tolerance(dtype: DTypeLike) -> float:
     """The default ``atol`` and ``rtol`` for a derivative computed in ``dtype``: ``max(1e-5, sqrt(eps))``.
 
     float64 keeps JAX's 1e-5; float32 gets 3.45e-4, float16 0.031, bfloat16 0.088:
@@ -108,7 +109,7 @@ def _tolerance_rule(dtype: str) -> str:
     return "JAX's float64 gradient tolerance" if default_tolerance(dtype) == _F64_TOL else f"sqrt(eps({dtype}))"
 
 
-def least_precise(dtypes: Sequence[Any]) -> np.dtype:
+def least_precise(dtypes: Sequence[DTypeLike]) -> np.dtype:
     """The floating-point dtype with the largest epsilon among ``dtypes`` (float64 if there is none)."""
     inexact = [np.dtype(d) for d in dtypes if jnp.issubdtype(d, jnp.inexact)]
     return max(inexact, key=lambda d: float(jnp.finfo(d).eps)) if inexact else np.dtype(np.float64)
@@ -298,7 +299,7 @@ def _summary(rows: Sequence[GradCheckRow]) -> str:
             f"({at}){unresolved_text}")
 
 
-def _nested_jac(h: Callable[[Any], Any], mode: str, times: int) -> Callable[[Any], Any]:
+def _nested_jac(h: Callable[[jax.Array], jax.Array], mode: str, times: int) -> Callable[[jax.Array], jax.Array]:
     jac = jax.jacfwd if mode == "fwd" else jax.jacrev
     for _ in range(times):
         h = jac(h)
@@ -342,7 +343,7 @@ def _compare_arrays(ad: np.ndarray, fd: np.ndarray, atol: float, rtol: float,
                        float(np.max(np.where(unresolved, noise, 0.0), initial=0.0)))
 
 
-def check_grads(fn: Callable[..., Any], args: Sequence[Any], order: int = 1,
+def check_grads(fn: Callable[..., object], args: Sequence[object], order: int = 1,
                 modes: Sequence[str] = ("fwd", "rev"), *, atol: float | None = None,
                 rtol: float | None = None, eps: float | None = None, max_coords: int = 64,
                 raise_on_failure: bool = False, upcast: bool = False,
@@ -447,7 +448,7 @@ def check_grads(fn: Callable[..., Any], args: Sequence[Any], order: int = 1,
 _MATMUL_PRECISIONS = ("bfloat16", "tensorfloat32", "float32", "default", "high", "highest")
 
 
-def _check_grads(fn: Callable[..., Any], args: Sequence[Any], order: int, modes: tuple[str, ...],
+def _check_grads(fn: Callable[..., object], args: Sequence[object], order: int, modes: tuple[str, ...],
                  atol: float | None, rtol: float | None, eps: float, max_coords: int,
                  upcast: bool) -> GradCheckReport:
     """check_grads after its arguments are checked, under the chosen matmul precision."""
@@ -460,7 +461,7 @@ def _check_grads(fn: Callable[..., Any], args: Sequence[Any], order: int, modes:
         dyn64 = [jnp.asarray(to_f64(x)) for x in dyn]
         x64_np = [np.asarray(x) for x in dyn64]
     # where the derivative under test runs: the caller's own config, or float64 with upcast=True
-    at_test: Callable[[], contextlib.AbstractContextManager[Any]] = (
+    at_test: Callable[[], contextlib.AbstractContextManager[object]] = (
         (lambda: jax.enable_x64(True)) if upcast else contextlib.nullcontext)
     with at_test():
         dyn_t = dyn64 if upcast else [jnp.asarray(x) for x in dyn]
@@ -505,7 +506,7 @@ def _check_grads(fn: Callable[..., Any], args: Sequence[Any], order: int, modes:
                            tuple((d, a, r) for d, (a, r) in tols.items()))
 
 
-def _jax_verdict(f: Callable[..., Any], args: tuple[Any, ...], order: int, mode: str, atol: float, rtol: float,
+def _jax_verdict(f: Callable[..., object], args: tuple[jax.Array, ...], order: int, mode: str, atol: float, rtol: float,
                  eps: float) -> tuple[str, bool, str]:
     """``(mode, passed, message)`` from :func:`jax.test_util.check_grads` (jitted when the function allows)."""
     for g in (jax.jit(f), f):
@@ -521,9 +522,10 @@ def _jax_verdict(f: Callable[..., Any], args: tuple[Any, ...], order: int, mode:
     return mode, False, "the function could not be evaluated"
 
 
-def _check_one(h_t: Callable[[Any], Any], x_t: jax.Array, h64: Callable[[Any], Any], x64: jax.Array,
-               at_test: Callable[[], contextlib.AbstractContextManager[Any]], mode: str, k: int, coords: np.ndarray,
-               steps: np.ndarray, out_shape: tuple[int, ...], out_dtypes: Sequence[Any], label: str,
+def _check_one(h_t: Callable[[jax.Array], jax.Array], x_t: jax.Array, h64: Callable[[jax.Array], jax.Array],
+               x64: jax.Array, at_test: Callable[[], contextlib.AbstractContextManager[object]], mode: str, k: int,
+               coords: np.ndarray,
+               steps: np.ndarray, out_shape: tuple[int, ...], out_dtypes: Sequence[DTypeLike], label: str,
                tolerance: Callable[[np.dtype], tuple[float, float]]) -> GradCheckRow:
     """One row: the order-``k`` derivative at ``x_t``'s dtype, jitted, vs float64 differences of order ``k − 1``."""
     total = int(np.size(x64))
@@ -570,8 +572,8 @@ def _check_one(h_t: Callable[[Any], Any], x_t: jax.Array, h64: Callable[[Any], A
 # --------------------------------------------------------------------------- one random direction, every input
 
 
-def _levels(f: Callable[..., jax.Array], leaves: Sequence[Any], order: int, mode: str,
-            dtype_of: Callable[[Any], Any]) -> list[Callable[..., jax.Array]]:
+def _levels(f: Callable[..., jax.Array], leaves: Sequence[jax.Array], order: int, mode: str,
+            dtype_of: Callable[[jax.Array], DTypeLike]) -> list[Callable[..., jax.Array]]:
     """``[F_1 = f, F_2, …, F_order]``: ``F_k+1(x) = jvp(F_k, x, t_k)`` (fwd) or ``vjp(F_k, x)(u_k)`` (rev).
 
     ``t_k``, ``u_k`` are fixed standard-normal draws (seeded by ``k``), cast by
@@ -592,7 +594,7 @@ def _levels(f: Callable[..., jax.Array], leaves: Sequence[Any], order: int, mode
     return fs
 
 
-def _directional(fn: Callable[..., Any], split: Split, dyn_t: Sequence[Any], dyn64: Sequence[Any],
+def _directional(fn: Callable[..., object], split: Split, dyn_t: Sequence[jax.Array], dyn64: Sequence[jax.Array],
                  steps: Sequence[np.ndarray], order: int, mode: str, atol: float, rtol: float, eps: float,
                  dtype: np.dtype) -> tuple[str, bool, str]:
     """``(mode, passed, message)``: one random direction through every float input, orders 1 to ``order``.

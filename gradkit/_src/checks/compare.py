@@ -11,11 +11,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike, DTypeLike
 
 from gradkit._src.checks.check import derivative_label, float_inputs, output_shape, partial_fn
 from gradkit._src.checks.describe import fmt, fn_name, relative_error, to_f64
@@ -113,10 +114,10 @@ class _Point(NamedTuple):
     """Where a comparison is made: the arguments (split) and which float leaf varies."""
 
     split: Split
-    dyn: list[Any]
+    dyn: list[ArrayLike]
     k: int
 
-    def fn_of_leaf(self, fn: Callable[..., Any]) -> Callable[[Any], jax.Array]:
+    def fn_of_leaf(self, fn: Callable[..., object]) -> Callable[[jax.Array], jax.Array]:
         return partial_fn(fn, self.split, self.dyn, self.k)
 
     @property
@@ -124,7 +125,7 @@ class _Point(NamedTuple):
         return jnp.asarray(self.dyn[self.k])
 
 
-def _jacobian(fn: Callable[..., Any], at: _Point, mode: str) -> np.ndarray:
+def _jacobian(fn: Callable[..., object], at: _Point, mode: str) -> np.ndarray:
     h = at.fn_of_leaf(fn)
     x = at.x
     if mode == "rev" and jax.eval_shape(h, x).shape == (1,):
@@ -140,7 +141,7 @@ def _ulp(ref: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return np.maximum(spacing, float(np.finfo(finfo_dtype).smallest_subnormal))
 
 
-def compare(fn: Callable[..., Any], reference: Callable[..., Any] | str, args: Sequence[Any], *,
+def compare(fn: Callable[..., object], reference: Callable[..., object] | str, args: Sequence[object], *,
             mode: str = "rev", rtol: float | None = None, eps: float = 1e-6,
             max_side_by_side: int = 64) -> Comparison:
     """Compares ``fn``'s (custom) gradient with a reference, input by input, and explains the gap.
@@ -198,13 +199,13 @@ def compare(fn: Callable[..., Any], reference: Callable[..., Any] | str, args: S
             assert callable(reference)
             ref = _jacobian(reference, at, mode)
         results.append(_compare_input(label, at, custom, ref, use_fd, rtol, max_side_by_side,
-                                      reference if not use_fd else None, out_shape))
+                                      None if isinstance(reference, str) else reference, out_shape))
     ref_label = "float64 finite differences" if use_fd else f"autodiff of {fn_name(reference)}"
     return Comparison(fn_name(fn), ref_label, mode, tuple(results))
 
 
 def _compare_input(label: str, at: _Point, custom: np.ndarray, ref: np.ndarray, use_fd: bool,
-                   rtol: float | None, max_side_by_side: int, reference: Any,
+                   rtol: float | None, max_side_by_side: int, reference: Callable[..., object] | None,
                    out_shape: tuple[int, ...]) -> InputComparison:
     x = at.x
     c_dtype, r_dtype = custom.dtype, ref.dtype
@@ -248,7 +249,7 @@ def _compare_input(label: str, at: _Point, custom: np.ndarray, ref: np.ndarray, 
 
 
 def _diagnose(label: str, x: np.ndarray, c: np.ndarray, r: np.ndarray, bad: np.ndarray, rel: np.ndarray,
-              c_dtype: np.dtype, r_dtype: np.dtype, x_dtype: np.dtype, reference: Any,
+              c_dtype: np.dtype, r_dtype: np.dtype, x_dtype: np.dtype, reference: Callable[..., object] | None,
               at: _Point) -> list[str]:
     """Sentences naming the likely cause of the difference, with numbers."""
     causes: list[str] = []
@@ -322,7 +323,7 @@ def _diagnose(label: str, x: np.ndarray, c: np.ndarray, r: np.ndarray, bad: np.n
     return causes
 
 
-def _representable(v: np.ndarray, dtype: Any) -> int:
+def _representable(v: np.ndarray, dtype: DTypeLike) -> int:
     with np.errstate(over="ignore", invalid="ignore"):
         return int(np.sum(v.astype(dtype).astype(np.float64) == v))
 
@@ -356,7 +357,7 @@ def _branch_cause(label: str, x: np.ndarray, bad_in: np.ndarray, c: np.ndarray, 
             f"(a where/cond/sign) is wrong on one side.")
 
 
-def _fit_approximation(reference: Any, at: _Point, c: np.ndarray, r: np.ndarray) -> str:
+def _fit_approximation(reference: Callable[..., object] | None, at: _Point, c: np.ndarray, r: np.ndarray) -> str:
     """Fits err ≈ (h/2)·f'' (forward difference) or (h²/6)·f''' (central); returns the best, if good."""
     if reference is None or c.shape[0] != 1 and c.shape[0] != c.shape[1]:
         return ""

@@ -12,8 +12,8 @@ import inspect
 import math
 import os
 import re
-from collections.abc import Sequence
-from typing import Any, SupportsInt
+from collections.abc import Callable, Sequence
+from typing import Any, SupportsInt, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -22,16 +22,18 @@ import numpy as np
 from gradkit._src.checks.sourcepath import notebook_cell
 from gradkit._src.errors import callable_name
 
+_T = TypeVar("_T")
+
 # --------------------------------------------------------------------------- functions and inputs
 
 
-def fn_name(fn: Any) -> str:
+def fn_name(fn: object) -> str:
     """A readable name for ``fn`` (unwraps gk.override and functools.partial)."""
     inner = getattr(fn, "__wrapped__", None) or getattr(fn, "_fn", None) or fn
     return callable_name(inner).split(".<locals>.")[-1]
 
 
-def def_source(fn: Any) -> str:
+def def_source(fn: object) -> str:
     """``file:line`` where ``fn`` (unwrapped) is defined, or ``""``."""
     inner = fn
     for _ in range(4):
@@ -40,7 +42,7 @@ def def_source(fn: Any) -> str:
     return f"{short_path(code.co_filename)}:{code.co_firstlineno}" if code is not None else ""
 
 
-def arg_names(fn: Any, n: int) -> list[str]:
+def arg_names(fn: Callable[..., object], n: int) -> list[str]:
     """Names for ``n`` positional arguments of ``fn``: its parameter names where it has them."""
     names: list[str] = []
     try:
@@ -55,7 +57,7 @@ def arg_names(fn: Any, n: int) -> list[str]:
     return [names[i] if i < len(names) else f"args[{i}]" for i in range(n)]
 
 
-def leaf_names(fn: Any, args: Sequence[Any]) -> list[str]:
+def leaf_names(fn: Callable[..., object], args: Sequence[object]) -> list[str]:
     """One readable name per leaf of ``tuple(args)``, in flattening order (``x``, ``p['w']``)."""
     top = arg_names(fn, len(args))
     names = []
@@ -65,7 +67,7 @@ def leaf_names(fn: Any, args: Sequence[Any]) -> list[str]:
     return names
 
 
-def is_float(x: Any) -> bool:
+def is_float(x: object) -> bool:
     """A floating-point array or a Python float (what gets differentiated)."""
     dtype = getattr(x, "dtype", None)
     if dtype is None:
@@ -73,7 +75,7 @@ def is_float(x: Any) -> bool:
     return bool(jnp.issubdtype(dtype, jnp.floating))
 
 
-def to_f64(x: Any) -> Any:
+def to_f64(x: _T) -> _T | jax.Array:
     """``x`` as a float64 array if it is floating point (call inside ``jax.enable_x64``)."""
     return jnp.asarray(x, dtype=jnp.float64) if is_float(x) else x
 
@@ -81,7 +83,7 @@ def to_f64(x: Any) -> Any:
 # --------------------------------------------------------------------------- numbers
 
 
-def fmt(v: Any) -> str:
+def fmt(v: Any) -> str:  # anything: what float() refuses is shown with str()
     """A number as people read it: 0.5, 1e-08, -inf, nan."""
     try:
         v = float(v)
@@ -137,7 +139,7 @@ def relative_error(value: np.ndarray, reference: np.ndarray, floor: float) -> np
 # --------------------------------------------------------------------------- non-finite values
 
 
-def nonfinite_mask(x: Any, kind: str = "any") -> np.ndarray | None:
+def nonfinite_mask(x: object, kind: str = "any") -> np.ndarray | None:
     """Where ``x`` is NaN (``kind="nan"``), ±inf (``"inf"``) or either (``"any"``); ``None`` if not inexact.
 
     The one place that decides what counts: bfloat16/float16 are widened
@@ -157,7 +159,7 @@ def nonfinite_mask(x: Any, kind: str = "any") -> np.ndarray | None:
     return ~np.isfinite(a)
 
 
-def count_nonfinite(x: Any, kind: str = "any") -> int:
+def count_nonfinite(x: object, kind: str = "any") -> int:
     """How many elements of ``x`` are non-finite (see :func:`nonfinite_mask`); 0 for non-float values."""
     m = nonfinite_mask(x, kind)
     return 0 if m is None else int(m.sum())

@@ -18,16 +18,28 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Protocol, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 NOT_JITTABLE = (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError)
 
+_R = TypeVar("_R")
 
-def call_jit(f: Callable[..., Any], *args: Any) -> Any:
+
+class Rows(Protocol):
+    """What :func:`evaluate` perturbs along: indexed by an array of rows, it gives one direction per row."""
+
+    def __getitem__(self, rows: np.ndarray, /) -> object: ...
+
+
+# evaluate's compiled batches, by (function, perturbation, number of extra arguments)
+Compiled = dict[tuple[object, object, int], Callable[..., jax.Array]]
+
+def call_jit(f: Callable[..., _R], *args: object) -> _R:
     """``jax.jit(f)(*args)``, or ``f(*args)`` for a function that needs concrete values."""
     try:
         return jax.jit(f)(*args)
@@ -38,31 +50,31 @@ def call_jit(f: Callable[..., Any], *args: Any) -> Any:
 BUDGET = 64 << 20  # bytes of perturbed copies of the input that one batched evaluation holds
 
 
-def nbytes(x: Any) -> int:
+def nbytes(x: object) -> int:
     """Bytes of the arrays of the pytree ``x`` (arrays or shapes: ``jax.ShapeDtypeStruct``)."""
     return sum(int(np.prod(np.shape(v), dtype=np.int64)) * np.dtype(getattr(v, "dtype", np.float64)).itemsize
                for v in jax.tree_util.tree_leaves(x))
 
 
-def batch_size(x: Any, points: int) -> int:
+def batch_size(x: object, points: int) -> int:
     """How many perturbed copies of ``x`` (an array or a pytree of them) one batch evaluates (at least 1, at
     most ``points``)."""
     return int(max(1, min(points, BUDGET // max(nbytes(x), 1))))
 
 
-def along_coordinate(x: jax.Array, c: Any, s: Any) -> jax.Array:
+def along_coordinate(x: jax.Array, c: jax.Array, s: jax.Array) -> jax.Array:
     """``x`` with ``s`` added to its flat element ``c``."""
     return x.reshape(-1).at[c].add(s.astype(x.dtype)).reshape(x.shape)
 
 
-def along_direction(x: jax.Array, v: Any, s: Any) -> jax.Array:
+def along_direction(x: jax.Array, v: jax.Array, s: jax.Array) -> jax.Array:
     """``x + s v`` (``v`` flat, of ``x``'s size)."""
     return x + (s * v).astype(x.dtype).reshape(x.shape)
 
 
-def evaluate(h: Callable[..., Any], x: Any, perturb: Callable[[Any, Any, Any], Any],
-             dirs: Any, rows: np.ndarray, scales: np.ndarray, args: Sequence[Any] = (),
-             batch: int | None = None, cache: dict[Any, Any] | None = None) -> np.ndarray:
+def evaluate(h: Callable[..., ArrayLike], x: object, perturb: Callable[..., object],
+             dirs: Rows, rows: np.ndarray, scales: np.ndarray, args: Sequence[object] = (),
+             batch: int | None = None, cache: Compiled | None = None) -> np.ndarray:
     """``ravel(h(perturb(x, dirs[rows[k]], scales[k]), *args))`` for every ``k``: ``(len(scales), size of h(x))``.
 
     ``x`` is an array or a pytree of arrays (then ``perturb`` returns what
@@ -141,7 +153,7 @@ def _diff(a: np.ndarray, b: np.ndarray, step: np.ndarray) -> np.ndarray:
         return np.where(a == b, 0.0, a - b) / step
 
 
-def differences(h: Callable[[Any], Any], x: Any, coords: np.ndarray, step: float | np.ndarray,
+def differences(h: Callable[[jax.Array], ArrayLike], x: ArrayLike, coords: np.ndarray, step: float | np.ndarray,
                 one_sided: bool = False) -> Differences:
     """Finite differences of ``h`` at ``x`` along the flat coordinates ``coords``.
 
