@@ -20,11 +20,11 @@ gradient. Everything runs under ``jit`` and ``vmap``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from gradkit._src import compat
 from gradkit._src.core.dispatch import override
@@ -51,7 +51,7 @@ GUIDED_BACKPROP: RuleTable = RuleTable({"fn:relu": vjp_rule(_guided_relu, name="
 DECONVNET: RuleTable = RuleTable({"fn:relu": vjp_rule(_deconvnet_relu, name="deconvnet")})
 
 
-def _cotangent(method: str, out: jax.Array, target: Any) -> jax.Array:
+def _cotangent(method: str, out: jax.Array, target: ArrayLike | None) -> jax.Array:
     """The output cotangent ``target`` stands for: a one-hot of a class per row, or the array itself."""
     shape = tuple(np.shape(out))
     if not shape:
@@ -81,7 +81,7 @@ def _cotangent(method: str, out: jax.Array, target: Any) -> jax.Array:
         f"{shape[:-1]}), or an output cotangent (floats of shape {shape}); got {t.dtype}{list(t.shape)}.")
 
 
-def _attribute(method: str, fn: Callable[[jax.Array], jax.Array], x: Any, target: Any,
+def _attribute(method: str, fn: Callable[[jax.Array], jax.Array], x: ArrayLike, target: ArrayLike | None,
                table: RuleTable | None) -> jax.Array:
     if not callable(fn):
         raise GradkitError(f"attribution.{method}: expected the model as a function of x, got "
@@ -98,7 +98,8 @@ def _attribute(method: str, fn: Callable[[jax.Array], jax.Array], x: Any, target
     return g
 
 
-def gradient(fn: Callable[[jax.Array], jax.Array], x: Any, *, target: Any = None) -> jax.Array:
+def gradient(fn: Callable[[jax.Array], jax.Array], x: ArrayLike, *,
+             target: ArrayLike | None = None) -> jax.Array:
     """The gradient of the target output with respect to ``x`` (a saliency map).
 
     Args:
@@ -122,7 +123,8 @@ def gradient(fn: Callable[[jax.Array], jax.Array], x: Any, *, target: Any = None
     return _attribute("gradient", fn, x, target, None)
 
 
-def gradient_x_input(fn: Callable[[jax.Array], jax.Array], x: Any, *, target: Any = None) -> jax.Array:
+def gradient_x_input(fn: Callable[[jax.Array], jax.Array], x: ArrayLike, *,
+                     target: ArrayLike | None = None) -> jax.Array:
     """The gradient of the target output times ``x``, element by element.
 
     Arguments as :func:`gradient`.
@@ -137,7 +139,8 @@ def gradient_x_input(fn: Callable[[jax.Array], jax.Array], x: Any, *, target: An
     return x * _attribute("gradient_x_input", fn, x, target, None)
 
 
-def guided_backprop(fn: Callable[[jax.Array], jax.Array], x: Any, *, target: Any = None) -> jax.Array:
+def guided_backprop(fn: Callable[[jax.Array], jax.Array], x: ArrayLike, *,
+                    target: ArrayLike | None = None) -> jax.Array:
     """Guided Backpropagation: each ReLU passes only positive cotangents, where its input was positive.
 
     ``fn`` is any model using ``jax.nn.relu`` (Flax ``nn.relu``, Equinox's
@@ -155,7 +158,8 @@ def guided_backprop(fn: Callable[[jax.Array], jax.Array], x: Any, *, target: Any
     return _attribute("guided_backprop", fn, x, target, GUIDED_BACKPROP)
 
 
-def deconvnet(fn: Callable[[jax.Array], jax.Array], x: Any, *, target: Any = None) -> jax.Array:
+def deconvnet(fn: Callable[[jax.Array], jax.Array], x: ArrayLike, *,
+              target: ArrayLike | None = None) -> jax.Array:
     """DeconvNet: the gradient with every ReLU passing the positive part of its cotangent, whatever its input.
 
     Arguments as :func:`gradient`.

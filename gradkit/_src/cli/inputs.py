@@ -8,7 +8,13 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:  # numpy is imported when an input is built, not when the command starts
+    import numpy as np
+    from numpy.typing import DTypeLike
+
+_T = TypeVar("_T")
 
 DTYPE_HELP = ("f16 (or float16), bf16 (bfloat16), f32 (float32), f64 (float64), i32 (int32), i64 (int64) "
               "or bool")
@@ -33,7 +39,7 @@ class UsageError(Exception):
 # --------------------------------------------------------------------------- input specs
 
 
-def parse_spec(spec: str, rng: Any) -> Any:
+def parse_spec(spec: str, rng: np.random.RandomState) -> np.ndarray:
     """An example input from ``DTYPE[SHAPE][:VALUES]`` (see ``SPEC_HELP``); a NumPy array."""
     import numpy as np
 
@@ -74,7 +80,7 @@ def parse_spec(spec: str, rng: Any) -> Any:
     return np.asarray(data).astype(dtype)
 
 
-def _np_dtype(name: str) -> Any:
+def _np_dtype(name: str) -> DTypeLike:
     import numpy as np
 
     if name == "bfloat16":
@@ -84,7 +90,8 @@ def _np_dtype(name: str) -> Any:
     return np.dtype(name)
 
 
-def _generate(values: str, shape: tuple[int, ...], kind: str, rng: Any, spec: str) -> Any:
+def _generate(values: str, shape: tuple[int, ...], kind: str, rng: np.random.RandomState,
+              spec: str) -> np.ndarray:
     import numpy as np
 
     if re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|[-+]?inf|nan|true|false", values.lower()):
@@ -139,7 +146,7 @@ def _check_args(name: str, args: list[float], spec: str) -> None:
                          f"got {args[0]:g}, {args[1]:g}")
 
 
-def materialize(value: Any, rng: Any, where: str) -> Any:
+def materialize(value: _T, rng: np.random.RandomState, where: str) -> _T | np.ndarray:
     """An input declared in a file: arrays and numbers as they are, spec strings parsed."""
     if isinstance(value, str):
         try:
