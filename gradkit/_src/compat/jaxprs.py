@@ -57,7 +57,7 @@ NAMED_OP_PREFIX = "gk:"
 _STRUCT_PARAMS = frozenset(inspect.signature(jax.ShapeDtypeStruct.__init__).parameters)
 
 
-def struct_of(aval: Any, weak_type: bool | None = None) -> jax.ShapeDtypeStruct:
+def struct_of(aval: Any, weak_type: bool | None = None, *, placement: bool = True) -> jax.ShapeDtypeStruct:
     """A ShapeDtypeStruct with an aval's whole type: shape, dtype, weak type, sharding, varying manual axes.
 
     Tracing at it (``make_jaxpr``, ``linear_transpose``, ``eval_shape``) gives
@@ -65,8 +65,13 @@ def struct_of(aval: Any, weak_type: bool | None = None) -> jax.ShapeDtypeStruct:
     ``shard_map`` a struct of shape and dtype only would not fit where the
     aval's value goes. ``weak_type`` overrides the aval's weak type. (The
     varying axes are ``vma`` up to jax 0.11, ``manual_axis_type`` from 0.12.)
+    ``placement=False`` leaves out sharding and varying axes: the key of a
+    program that does not depend on where its values live (SAFE's replayed
+    JVP of a primitive), shared by every placement.
     """
     weak = getattr(aval, "weak_type", False) if weak_type is None else weak_type
+    if not placement:
+        return jax.ShapeDtypeStruct(tuple(aval.shape), aval.dtype, weak_type=weak)
     kw: dict[str, Any] = {}
     sharding = getattr(aval, "sharding", None)
     if sharding is not None:

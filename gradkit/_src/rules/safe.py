@@ -72,11 +72,6 @@ class _Program:
         return _SCALE in self.kinds
 
 
-def _struct(x: Any) -> jax.ShapeDtypeStruct:
-    aval = compat.aval_of(x)
-    return jax.ShapeDtypeStruct(tuple(aval.shape), aval.dtype, weak_type=getattr(aval, "weak_type", False))
-
-
 def _is_inexact(x: Any) -> bool:
     return bool(jnp.issubdtype(compat.aval_of(x).dtype, jnp.inexact))
 
@@ -152,7 +147,7 @@ def _cached_program(prim: Any, params: tuple[tuple[str, Any], ...], structs: tup
 def program(prim: Any, params: Any, inputs: Sequence[Any], diff: tuple[bool, ...]) -> _Program:
     """JAX's JVP of ``prim`` at inputs like ``inputs`` w.r.t. the inputs flagged in ``diff`` (cached)."""
     items = tuple(sorted(dict(params).items()))
-    structs = tuple(_struct(x) for x in inputs)
+    structs = tuple(compat.struct_of(compat.aval_of(x), placement=False) for x in inputs)
     try:
         return _cached_program(prim, items, structs, diff, compat.trace_context())
     except TypeError as e:  # an unhashable parameter: trace it every time
