@@ -231,12 +231,18 @@ def one_hot(t, n):
 
 
 @pytest.mark.parametrize("rule", sorted(RULES))
-def test_each_rule_is_its_formula_on_an_mlp(rule, x64, maybe_jit):
+def test_each_rule_is_its_formula_on_an_mlp(rule, x64):
     ours, ref = RULES[rule]
     comp = A.Composite({"dense": ours(), "activation": A.pass_through()})
     t = np.array([0, 3, 1])
-    got = maybe_jit(lambda x: A.lrp(mlp, x, comp, target=jnp.asarray(t)))(jnp.asarray(MX))
+    got = jax.jit(lambda x: A.lrp(mlp, x, comp, target=jnp.asarray(t)))(jnp.asarray(MX))
     close(got, reference(np_mlp(), MX, one_hot(t, 4), [ref] * 3), 1e-9)
+
+
+def test_eager_is_jit(x64):
+    comp = A.EPSILON_PLUS_FLAT
+    x = jnp.asarray(MX)
+    close(A.lrp(mlp, x, comp, target=1), jax.jit(lambda v: A.lrp(mlp, v, comp, target=1))(x), 1e-12)
 
 
 @pytest.mark.parametrize("rule", sorted(RULES))
@@ -262,10 +268,10 @@ COMPOSITES = {
 
 
 @pytest.mark.parametrize("name", sorted(COMPOSITES))
-def test_each_composite_on_a_plain_jax_cnn_is_its_rules(name, x64, maybe_jit):
+def test_each_composite_on_a_plain_jax_cnn_is_its_rules(name, x64):
     comp, rules = COMPOSITES[name]
     t = np.array([1, 2])
-    got = maybe_jit(lambda x: A.lrp(jax_cnn, x, comp, target=jnp.asarray(t)))(jnp.asarray(CX))
+    got = jax.jit(lambda x: A.lrp(jax_cnn, x, comp, target=jnp.asarray(t)))(jnp.asarray(CX))
     close(got, reference(np_cnn(), CX, one_hot(t, 3), rules()), 1e-8)
 
 
@@ -299,21 +305,21 @@ def test_each_composite_on_an_unmodified_flax_cnn(name):
     close(got, reference(np_cnn(), CX, one_hot(t, 3), rules()), 2e-5)
 
 
-@pytest.mark.parametrize("name", ["EPSILON_PLUS", "EPSILON_PLUS_FLAT", "EPSILON_GAMMA_BOX"])
-def test_composites_on_an_unmodified_equinox_mlp(name):
+def test_composites_on_an_unmodified_equinox_mlp():
     model = eqx.nn.MLP(6, 4, 8, 2, key=jax.random.key(1))  # jax.nn.relu, biases; weights (out, in)
     ws = [np.asarray(la.weight, np.float64).T for la in model.layers]
     bs = [np.asarray(la.bias, np.float64) for la in model.layers]
-    comp = COMPOSITES[name][0]
-    first = {"EPSILON_PLUS": np_rule("epsilon", eps=1e-6), "EPSILON_PLUS_FLAT": np_rule("flat"),
-             "EPSILON_GAMMA_BOX": np_rule("epsilon", eps=1e-6)}[name]  # EPSILON_GAMMA_BOX's box is for conv only
     t = np.array([3, 0, 1])
-    got = jax.jit(lambda x: A.lrp(jax.vmap(model), x, comp, target=jnp.asarray(t)))(jnp.asarray(MX, jnp.float32))
-    rules = [first] + [np_rule("epsilon", eps=1e-6)] * 2
-    close(got, reference(np_mlp(ws, bs), MX, one_hot(t, 4), rules), 2e-5)
-    # one example at a time, no vmap inside the model (W @ x): the same layers
-    one = jax.vmap(lambda x, t: A.lrp(model, x, comp, target=t))(jnp.asarray(MX, jnp.float32), jnp.asarray(t))
-    close(one, got, 1e-6)
+    x = jnp.asarray(MX, jnp.float32)
+    eps = np_rule("epsilon", eps=1e-6)
+    # EPSILON_GAMMA_BOX's box is for the first conv layer: an MLP has none, so its first layer is epsilon's.
+    for name, first in (("EPSILON_PLUS", eps), ("EPSILON_PLUS_FLAT", np_rule("flat")), ("EPSILON_GAMMA_BOX", eps)):
+        comp = COMPOSITES[name][0]
+        got = jax.jit(lambda x, comp=comp: A.lrp(jax.vmap(model), x, comp, target=jnp.asarray(t)))(x)
+        close(got, reference(np_mlp(ws, bs), MX, one_hot(t, 4), [first, eps, eps]), 2e-5)
+        if name == "EPSILON_PLUS_FLAT":  # one example at a time, no vmap inside the model (W @ x): the same layers
+            one = jax.jit(jax.vmap(lambda x, t, comp=comp: A.lrp(model, x, comp, target=t)))(x, jnp.asarray(t))
+            close(one, got, 1e-6)
 
 
 def test_conservation_where_the_rules_promise_it(x64):
@@ -329,7 +335,8 @@ def test_conservation_where_the_rules_promise_it(x64):
                     (lambda v: v @ jnp.asarray(mixed), A.alpha_beta(2, 1, 1e-12))):
         logits = f(x)
         cot = jax.nn.one_hot(t, 4, dtype=x.dtype) * logits  # the output relevance: the target logit
-        r = A.lrp(f, x, {"dense": rule, "activation": A.pass_through()}, target=cot)
+        r = jax.jit(lambda v, c, f=f, rule=rule: A.lrp(f, v, {"dense": rule, "activation": A.pass_through()},
+                                                       target=c))(x, cot)
         want = jnp.take_along_axis(logits, t[:, None], axis=1)[:, 0]
         np.testing.assert_allclose(np.asarray(r.sum(axis=1)), np.asarray(want), rtol=1e-8)
 
@@ -348,14 +355,20 @@ def test_lrp0_without_bias_is_gradient_x_input_times_one(x64):
 
 def test_target_forms_and_vmap():
     x = jnp.asarray(CX, jnp.float32)
-    lrp = lambda x, **kw: A.lrp(jax_cnn, x, A.EPSILON_PLUS_FLAT, **kw)
-    top = np.argmax(np.asarray(jax_cnn(x)), axis=-1)
-    default = lrp(x)
-    close(default, lrp(x, target=jnp.asarray(top)), 0)
-    close(lrp(x, target=1), lrp(x, target=jnp.array([1, 1])), 0)
-    close(lrp(x, target=jax.nn.one_hot(jnp.array([1, 1]), 3)), lrp(x, target=1), 0)
-    per_row = jax.vmap(lambda xi: A.lrp(lambda v: jax_cnn(v[None])[0], xi, A.EPSILON_PLUS_FLAT))(x)
+
+    @jax.jit
+    def all_forms(x):
+        lrp = lambda **kw: A.lrp(jax_cnn, x, A.EPSILON_PLUS_FLAT, **kw)
+        per_row = jax.vmap(lambda xi: A.lrp(lambda v: jax_cnn(v[None])[0], xi, A.EPSILON_PLUS_FLAT))(x)
+        return (lrp(), lrp(target=jnp.argmax(jax_cnn(x), axis=-1)), lrp(target=0), lrp(target=jnp.array([0, 0])),
+                lrp(target=jax.nn.one_hot(jnp.array([0, 0]), 3)), per_row)
+
+    default, top, one, ones, cot, per_row = all_forms(x)
+    close(default, top, 0)
+    close(one, ones, 0)
+    close(cot, one, 0)
     close(per_row, default, 1e-6)
+    assert not np.allclose(np.asarray(one), np.asarray(default))  # the top classes are not all 0
 
 
 def test_bad_composites_are_gradkit_errors():

@@ -21,19 +21,9 @@ import jax
 import jax.numpy as jnp
 
 from gradkit._src import compat
+from gradkit._src.attribution import lrp_rules as rules
 from gradkit._src.attribution.attribution import _cotangent
-from gradkit._src.attribution.lrp_rules import (
-    LrpRule,
-    alpha_beta,
-    epsilon,
-    flat,
-    gamma,
-    gradient_rule,
-    norm,
-    pass_through,
-    zbox,
-    zplus,
-)
+from gradkit._src.attribution.lrp_rules import LrpRule
 from gradkit._src.errors import GradkitError
 
 __all__ = ["EPSILON_ALPHA2_BETA1", "EPSILON_ALPHA2_BETA1_FLAT", "EPSILON_GAMMA_BOX", "EPSILON_PLUS",
@@ -98,20 +88,21 @@ class Composite(Mapping[str, LrpRule]):
 def _base(stabilizer: float) -> dict[str, LrpRule]:
     # Zennit's layer_map_base: activations pass relevance through, average pooling is Norm; max pooling has no
     # rule there, so it keeps its gradient.
-    return {"activation": pass_through(), "avg_pool": norm(stabilizer), "max_pool": gradient_rule()}
+    return {"activation": rules.pass_through(), "avg_pool": rules.norm(stabilizer), "max_pool": rules.gradient_rule()}
 
 
 #: Zennit's ``EpsilonPlus``: z⁺ for conv layers, ε for dense layers.
-EPSILON_PLUS: Composite = Composite(_base(1e-6) | {"conv": zplus(1e-6), "dense": epsilon(1e-6)})
+EPSILON_PLUS: Composite = Composite(_base(1e-6) | {"conv": rules.zplus(1e-6), "dense": rules.epsilon(1e-6)})
 #: Zennit's ``EpsilonPlusFlat``: :data:`EPSILON_PLUS` with the flat rule for the first (dense or conv) layer.
-EPSILON_PLUS_FLAT: Composite = EPSILON_PLUS | {"first": flat(1e-6)}
+EPSILON_PLUS_FLAT: Composite = EPSILON_PLUS | {"first": rules.flat(1e-6)}
 #: Zennit's ``EpsilonAlpha2Beta1``: α=2, β=1 for conv layers, ε for dense layers.
-EPSILON_ALPHA2_BETA1: Composite = Composite(_base(1e-6) | {"conv": alpha_beta(2, 1, 1e-6), "dense": epsilon(1e-6)})
+EPSILON_ALPHA2_BETA1: Composite = Composite(_base(1e-6) | {"conv": rules.alpha_beta(2, 1, 1e-6),
+                                                            "dense": rules.epsilon(1e-6)})
 #: Zennit's ``EpsilonAlpha2Beta1Flat``: :data:`EPSILON_ALPHA2_BETA1` with the flat rule for the first layer.
-EPSILON_ALPHA2_BETA1_FLAT: Composite = EPSILON_ALPHA2_BETA1 | {"first": flat(1e-6)}
+EPSILON_ALPHA2_BETA1_FLAT: Composite = EPSILON_ALPHA2_BETA1 | {"first": rules.flat(1e-6)}
 
 
-def EPSILON_GAMMA_BOX(low: Any, high: Any, *, epsilon_: float = 1e-6, gamma_: float = 0.25,  # noqa: N802
+def EPSILON_GAMMA_BOX(low: Any, high: Any, *, epsilon: float = 1e-6, gamma: float = 0.25,
                       stabilizer: float = 1e-6) -> Composite:
     """Zennit's ``EpsilonGammaBox``: z^B (``low <= x <= high``) for the first conv layer, γ for the other conv
     layers, ε for dense layers.
@@ -121,8 +112,12 @@ def EPSILON_GAMMA_BOX(low: Any, high: Any, *, epsilon_: float = 1e-6, gamma_: fl
       >>> gk.attribution.EPSILON_GAMMA_BOX(-1.0, 1.0)["first_conv"]
       zbox(low=-1.0, high=1.0, stabilizer=1e-06)
     """
-    return Composite(_base(stabilizer) | {"conv": gamma(gamma_, stabilizer), "dense": epsilon(epsilon_),
-                                          "first_conv": zbox(low, high, stabilizer)})
+    return Composite(_base(stabilizer) | {"conv": rules.gamma(gamma, stabilizer), "dense": rules.epsilon(epsilon),
+                                          "first_conv": rules.zbox(low, high, stabilizer)})
+
+
+_SUGGESTED = {"dense": "epsilon(1e-6)", "conv": "zplus()", "avg_pool": "norm()", "activation": "pass_through()",
+              "max_pool": "gradient_rule()"}
 
 
 def _rule_for(composite: Mapping[str, LrpRule], layer: compat.Layer, seen: dict[str, bool]) -> LrpRule:
@@ -143,9 +138,7 @@ def _rule_for(composite: Mapping[str, LrpRule], layer: compat.Layer, seen: dict[
     where = f" at {layer.source}" if layer.source else ""
     raise GradkitError(
         f"attribution.lrp: the composite has no rule for {kind!r} layers, and the model has one ({layer.name}"
-        f"{where}); add one, e.g. composite | {{{kind!r}: gk.attribution."
-        f"{'epsilon(1e-6)' if kind in ('dense', 'conv') else 'norm()' if kind == 'avg_pool' else 'pass_through()' if kind == 'activation' else 'gradient_rule()'}"
-        f"}}.")
+        f"{where}); add one, e.g. composite | {{{kind!r}: gk.attribution.{_SUGGESTED.get(kind, 'gradient_rule()')}}}.")
 
 
 def _apply(rule: LrpRule, layer: compat.Layer, x: jax.Array) -> jax.Array:

@@ -60,6 +60,11 @@ def _pullback(layer: Layer, x: jax.Array, w: jax.Array, c: jax.Array) -> jax.Arr
     return g
 
 
+def _ones_like(x: jax.Array) -> jax.Array:
+    # Behind a barrier: XLA would otherwise constant-fold a whole convolution of ones at compile time (seconds).
+    return jax.lax.optimization_barrier(jnp.ones_like(x))
+
+
 def _weight_bias(layer: Layer) -> tuple[jax.Array, jax.Array | None]:
     w = layer.params[0]
     b = layer.params[1] if len(layer.params) > 1 else None
@@ -201,8 +206,12 @@ def gamma(gamma: float = 0.25, stabilizer: float = 1e-6) -> LrpRule:
 
     def rel(layer: Layer, x: jax.Array, r: jax.Array) -> jax.Array:
         w, b = _weight_bias(layer)
-        up = lambda p: None if p is None else p + g * jnp.maximum(p, 0)
-        down = lambda p: None if p is None else p + g * jnp.minimum(p, 0)
+        def up(p: Any) -> Any:
+            return None if p is None else p + g * jnp.maximum(p, 0)
+
+        def down(p: Any) -> Any:
+            return None if p is None else p + g * jnp.minimum(p, 0)
+
         wu, wd = up(w), down(w)
         z = _z(layer, x, w, b)
         if layer.nonnegative_input:
@@ -232,7 +241,7 @@ def flat(stabilizer: float = 1e-6) -> LrpRule:
 
     def rel(layer: Layer, x: jax.Array, r: jax.Array) -> jax.Array:
         ones = jnp.ones_like(layer.params[0])
-        z = layer.apply(jnp.ones_like(x), ones)
+        z = layer.apply(_ones_like(x), ones)
         return _pullback(layer, x, ones, r / stabilize(z, e))
 
     return LrpRule("flat", rel, (("stabilizer", stabilizer),), needs_weight=True)
@@ -253,7 +262,7 @@ def w_square(stabilizer: float = 1e-6) -> LrpRule:
     def rel(layer: Layer, x: jax.Array, r: jax.Array) -> jax.Array:
         w, b = _weight_bias(layer)
         w2 = w * w
-        z = _z(layer, jnp.ones_like(x), w2, None if b is None else b * b)
+        z = _z(layer, _ones_like(x), w2, None if b is None else b * b)
         return _pullback(layer, x, w2, r / stabilize(z, e))
 
     return LrpRule("w_square", rel, (("stabilizer", stabilizer),), needs_weight=True)

@@ -89,7 +89,8 @@ def _literal_scalar(atom: Any) -> float | None:
     if not is_literal(atom):
         return None
     val = np.asarray(atom.val)
-    return float(val) if val.shape == () and (np.issubdtype(val.dtype, np.floating) or np.issubdtype(val.dtype, np.integer)) else None
+    numeric = np.issubdtype(val.dtype, np.floating) or np.issubdtype(val.dtype, np.integer)
+    return float(val) if val.shape == () and numeric else None
 
 
 class _Program:
