@@ -398,3 +398,26 @@ def test_composites_are_data():
     assert dict(A.EPSILON_PLUS)["activation"] == A.pass_through()
     assert set(A.EPSILON_PLUS_FLAT) <= set(A.KINDS)
     assert "zbox" in repr(A.EPSILON_GAMMA_BOX(0.0, 1.0))
+
+
+def test_layers_are_found_by_dataflow_in_any_spelling(x64):
+    """A layer inside a jitted helper, W @ x with the bias first, ReLU as jnp.maximum: the same layers."""
+    @jax.jit
+    def dense(h, w, b):
+        return jnp.asarray(b, h.dtype)[None] + jnp.einsum("ij,bi->bj", jnp.asarray(w, h.dtype), h)
+
+    def spelled(x):
+        h = jnp.maximum(dense(x, MW[0], MB[0]), 0.0)
+        h = jnp.maximum((jnp.asarray(MW[1].T) @ h.T).T + jnp.asarray(MB[1])[None], 0.0)
+        return dense(h, MW[2], MB[2])
+
+    x = jnp.asarray(MX)
+    for comp in (A.EPSILON_PLUS_FLAT, {"dense": A.gamma(0.5), "activation": A.pass_through()}):
+        close(A.lrp(spelled, x, comp, target=2), A.lrp(mlp, x, comp, target=2), 1e-12)
+    # a tanh network: the activation passes relevance through, so only the dense rules act
+    tanh_net = lambda x: jnp.tanh(x @ jnp.asarray(MW[0]) + jnp.asarray(MB[0])[None]) @ jnp.asarray(MW[1])
+    got = A.lrp(tanh_net, x, {"dense": A.epsilon(0.01), "activation": A.pass_through()}, target=0)
+    h = np.tanh(MX @ MW[0] + MB[0])
+    r1 = np_rule("epsilon", eps=0.01)(h, lambda w: w, MW[1], np.zeros(8), one_hot(np.zeros(3, int), 8))
+    want = np_rule("epsilon", eps=0.01)(MX, lambda w: w, MW[0], MB[0], r1)
+    close(got, want, 1e-9)
