@@ -22,6 +22,7 @@ from jax import lax
 
 import gradkit as gk
 from gradkit._src import compat
+from gradkit._src.core import walk
 
 # --------------------------------------------------------------------------- rule return values (VJP)
 
@@ -315,3 +316,58 @@ def test_rule_storing_a_traced_value_globally_gets_jax_leak_error():
     jax.jit(jax.grad(gk.override(loss, {"sin": gk.vjp_rule(leaky)})))(X)
     with pytest.raises(jax.errors.UnexpectedTracerError):
         leaked[0] + 1.0
+
+
+# --------------------------------------------------------------------------- ops inside library code
+
+# Library functions whose ops JAX traces in a jitted body of their own: the equations there keep no
+# frame of the user's code, so an error names the line that called the library function.
+def _softplus(x):
+    return jnp.sum(jax.nn.softplus(x))  # LIBRARY_LINE
+
+
+def _silu(x):
+    return jnp.sum(jax.nn.silu(x))  # LIBRARY_LINE
+
+
+def _norm(x):
+    return jnp.linalg.norm(x)  # LIBRARY_LINE
+
+
+def _log_softmax(x):
+    return jnp.sum(jax.nn.log_softmax(x))  # LIBRARY_LINE
+
+
+def _nested(x):
+    return jax.jit(_softplus)(x)  # a user jit around the library call: still the library call's line
+
+
+LIBRARY_CASES = [(_softplus, "fn:logaddexp"), (_silu, "logistic"), (_norm, "sqrt"),
+                 (_log_softmax, "exp"), (_nested, "fn:logaddexp")]
+
+
+def _library_line(fn):
+    import inspect
+
+    target = _softplus if fn is _nested else fn
+    lines, start = inspect.getsourcelines(target)
+    return start + next(i for i, ln in enumerate(lines) if "# LIBRARY_LINE" in ln)
+
+
+@pytest.mark.parametrize("mode", ["vjp", "jvp"])
+@pytest.mark.parametrize("fn,op", LIBRARY_CASES, ids=[c[0].__name__ for c in LIBRARY_CASES])
+def test_an_op_inside_library_code_is_reported_at_the_users_call(fn, op, mode):
+    if mode == "vjp":
+        bad = gk.vjp_rule(lambda o, g: (g,) * (len(o.inputs) + 1), name="too_many")
+    else:
+        bad = gk.jvp_rule(lambda o, t: [t[0], t[0], t[0]], name="too_many")
+    x = jnp.array([0.5, -1.0, 2.0])
+    # the case is real: the op's own equation carries no user frame
+    found = [e for e, _ in walk.equations(jax.make_jaxpr(fn)(x)) if compat.eqn_name(e) == op]
+    assert found and all(compat.source_line(e) == "unknown source line" for e in found), op
+    for wrap in (lambda f: f, jax.jit):
+        with pytest.raises(gk.GradkitError) as info:
+            wrap(jax.grad(gk.override(fn, {op: bad})))(x)
+        msg = str(info.value)
+        assert msg.startswith("[gradkit]") and "too_many" in msg and f"op '{op}'" in msg, msg
+        assert f"{__file__}:{_library_line(fn)} ({(_softplus if fn is _nested else fn).__name__})" in msg, msg

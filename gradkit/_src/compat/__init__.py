@@ -108,6 +108,7 @@ from gradkit._src.compat.primitive import (
     safe_scale_p,
 )
 from gradkit._src.compat.source import (
+    call_site,
     library_callee,
     name_scopes,
     register_source_exclusion,
@@ -134,5 +135,6 @@ __all__ = [
     # primitive
     "OWN_PRIMITIVES", "match_varying", "safe_scale", "safe_scale_p",
     # source
-    "library_callee", "name_scopes", "register_source_exclusion", "source_line", "source_of", "source_span",
+    "call_site", "library_callee", "name_scopes", "register_source_exclusion", "source_line", "source_of",
+    "source_span",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -52,11 +53,39 @@ def name_scopes(eqn: JaxprEqn) -> tuple[str, ...]:
     return tuple(out)
 
 
+# The equations whose bodies are being rewritten, outermost first (see call_site).
+_CALL_SITES: contextvars.ContextVar[tuple[JaxprEqn, ...]] = contextvars.ContextVar("gradkit_call_sites", default=())
+
+
+@contextlib.contextmanager
+def call_site(eqn: JaxprEqn) -> Iterator[None]:
+    """While a body of ``eqn`` is rewritten, :func:`source_line` of its equations can fall back to ``eqn``'s line.
+
+    JAX keeps only the frames of the body's own trace for an equation inside
+    a library's jitted function (``jax.nn.softplus``'s ``logaddexp``): no
+    user frame. The user's line is then the line that called the library.
+    """
+    token = _CALL_SITES.set((*_CALL_SITES.get(), eqn))
+    try:
+        yield
+    finally:
+        _CALL_SITES.reset(token)
+
+
 def source_line(eqn: JaxprEqn | None) -> str:
-    """``file:line (function)`` of the user code that created ``eqn``."""
+    """``file:line (function)`` of the user code that created ``eqn``.
+
+    For an equation made inside library code whose trace kept no user frame,
+    the line of the innermost enclosing call that has one (while its body is
+    rewritten, :func:`call_site`).
+    """
     if eqn is None:
         return "unknown source line"
     frame = _siu.user_frame(eqn.source_info.traceback)
+    for caller in reversed(_CALL_SITES.get() if frame is None else ()):
+        frame = _siu.user_frame(caller.source_info.traceback)
+        if frame is not None:
+            break
     if frame is None:
         return "unknown source line"
     return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
