@@ -65,6 +65,7 @@ nitpick_ignore_regex = [
     (r"py:.*", rf"({'|'.join(_EXTERNAL)})(\..*)?"),
     (r"py:.*", rf"({'|'.join(n for n in dir(builtins) if not n.startswith('_'))})"),
     (r"py:class", r"gradkit\._src\.[\w.]+\.[A-Z]\w*"),  # type variables and private classes in signatures
+    (r"py:class", r"(gradkit\._src\.[\w.]+\.)?_[A-Z]\w*"),  # private type variables (ParamSpec _P, _R)
 ]
 
 # --- notebooks: rendered with their stored outputs -------------------------------------------------
