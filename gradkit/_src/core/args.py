@@ -13,30 +13,32 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
 
 from gradkit._src import compat
 
+T = TypeVar("T")
 
-def is_array(x: Any) -> bool:
+
+def is_array(x: object) -> bool:
     """A JAX or NumPy array, a NumPy scalar, or a tracer."""
     return isinstance(x, (jax.Array, np.ndarray, np.generic, compat.Tracer))
 
 
-def is_number(x: Any) -> bool:
+def is_number(x: object) -> bool:
     """A Python number (``bool``, ``int``, ``float``, ``complex``), not a NumPy scalar."""
     return isinstance(x, (bool, int, float, complex)) and not isinstance(x, np.generic)
 
 
-def array_or_number(x: Any) -> bool:
+def array_or_number(x: object) -> bool:
     """Dynamic for ops whose inputs may be concrete Python scalars (a rule's ``op.inputs``)."""
     return is_array(x) or is_number(x)
 
 
-def static_key(x: Any) -> Any:
+def static_key(x: object) -> Hashable:
     """The cache key of a static leaf: its type and value.
 
     Keyed by type as well as value: ``1``, ``1.0`` and ``True`` are equal in
@@ -63,26 +65,26 @@ class Split:
       statics: one entry per leaf: the static value, ``None`` at dynamic positions.
     """
 
-    treedef: Any
+    treedef: jax.tree_util.PyTreeDef
     dyn_pos: tuple[int, ...]
-    statics: tuple[Any, ...]
+    statics: tuple[object, ...]
 
     @property
     def num_leaves(self) -> int:
         return len(self.statics)
 
-    def leaves(self, dyn: Sequence[Any], fill: Any = None) -> list[Any]:
+    def leaves(self, dyn: Sequence[object], fill: object = None) -> list[object]:
         """All leaves: ``dyn`` at the dynamic positions, the statics (or ``fill``) elsewhere."""
         out = list(self.statics) if fill is None else [fill] * len(self.statics)
         for i, x in zip(self.dyn_pos, dyn):
             out[i] = x
         return out
 
-    def combine(self, dyn: Sequence[Any]) -> Any:
+    def combine(self, dyn: Sequence[object]) -> Any:  # the caller's pytree (jax.tree_util is untyped)
         """The pytree with ``dyn`` at the dynamic positions and the static leaves elsewhere."""
         return jax.tree_util.tree_unflatten(self.treedef, self.leaves(dyn))
 
-    def scatter(self, per_dyn: Sequence[Any], fill: Any = None) -> Any:
+    def scatter(self, per_dyn: Sequence[object], fill: object = None) -> Any:  # the same structure, other leaves
         """A pytree of the same structure with ``per_dyn`` at the dynamic positions, ``fill`` elsewhere.
 
         For gradients or tangents: ``None`` for the static leaves.
@@ -93,7 +95,7 @@ class Split:
         return jax.tree_util.tree_unflatten(self.treedef, out)
 
     @functools.cached_property
-    def key(self) -> Any:
+    def key(self) -> Hashable:
         """Hashable: the structure, the dynamic positions and the static values (:func:`static_key`).
 
         Raises ``TypeError`` if a static leaf is unhashable.
@@ -103,7 +105,7 @@ class Split:
                 tuple(None if i in dyn else static_key(x) for i, x in enumerate(self.statics)))
 
 
-def call_key(static: Hashable, dyn: Sequence[Any]) -> tuple[Any, ...]:
+def call_key(static: Hashable, dyn: Sequence[object]) -> tuple[Hashable, ...]:
     """The one cache key of a call: what a traced program depends on, and nothing else.
 
     ``static`` is the call's structure and static values (:attr:`Split.key`,
@@ -118,7 +120,7 @@ def call_key(static: Hashable, dyn: Sequence[Any]) -> tuple[Any, ...]:
     return (static, compat.trace_context(), *map(compat.type_key, dyn))
 
 
-def partition(tree: Any, dynamic: Callable[[Any], bool] = is_array) -> tuple[Split, list[Any]]:
+def partition(tree: object, dynamic: Callable[[object], bool] = is_array) -> tuple[Split, list[Any]]:
     """Splits ``tree`` into its :class:`Split` and its dynamic leaves (those where ``dynamic`` holds).
 
     Examples:
@@ -134,8 +136,10 @@ def partition(tree: Any, dynamic: Callable[[Any], bool] = is_array) -> tuple[Spl
     return partition_leaves(leaves, treedef, dynamic)
 
 
-def partition_leaves(leaves: Sequence[Any], treedef: Any,
-                     dynamic: Callable[[Any], bool] = is_array) -> tuple[Split, list[Any]]:
+def partition_leaves(leaves: Sequence[T], treedef: jax.tree_util.PyTreeDef,
+                     dynamic: Callable[[object], bool] = is_array) -> tuple[Split, list[T]]:
+
+
     """:func:`partition` of a pytree already flattened to ``leaves`` and ``treedef``."""
     dyn_pos = tuple(i for i, x in enumerate(leaves) if dynamic(x))
     dset = set(dyn_pos)

@@ -14,16 +14,17 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Sequence
-from typing import Any, NamedTuple, cast
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
+from jax.typing import ArrayLike
 
 from gradkit._src import compat
 from gradkit._src.compat import JaxprEqn
-from gradkit._src.core import named, validate
+from gradkit._src.core import named, validate, walk
 from gradkit._src.core.cache import LRU
 from gradkit._src.core.rule import OpView, Rule, freeze_params
 from gradkit._src.core.table import RuleTable
@@ -53,17 +54,17 @@ class CacheInfo(NamedTuple):
     reuses: int
 
 
-def _params_key(params: Any) -> Any:
+def _params_key(params: Mapping[str, object]) -> Hashable | None:
     """A hashable key of an equation's params, or ``None`` if one is unhashable."""
     try:
-        key = tuple(sorted(params.items()))
+        key = tuple(sorted(params.items(), key=lambda kv: kv[0]))
         hash(key)
     except TypeError:
         return None
     return key
 
 
-def _literal_key(atom: Any) -> Any:
+def _literal_key(atom: compat.Literal) -> tuple[str, tuple[int, ...], bytes]:
     v = np.asarray(atom.val)
     return (v.dtype.str, v.shape, v.tobytes())
 
@@ -72,7 +73,7 @@ class Replacements:
     """Replacement equations by signature; shared by every trace of one overridden function."""
 
     def __init__(self) -> None:
-        self._cache: LRU[Any, JaxprEqn] = LRU("rule replacements")
+        self._cache: LRU[Hashable, JaxprEqn] = LRU("rule replacements")
         self._lock = threading.Lock()
         self.traced = 0
         self.reused = 0
@@ -84,11 +85,11 @@ class Replacements:
         """The equation that replaces ``eqn`` (same variables) and carries ``rule``."""
         dyn = [i for i, a in enumerate(eqn.invars) if not compat.is_literal(a)]
         params = _params_key(eqn.params)
-        key = None
+        key: Hashable | None = None
         if params is not None:
             key = (rule, name, eqn.primitive, params, eqn.ctx, compat.source_line(eqn),
                    tuple(eqn.invars[i].aval for i in dyn),
-                   tuple((i, _literal_key(a)) for i, a in enumerate(eqn.invars) if compat.is_literal(a)))
+                   tuple((i, _literal_key(a)) for i, a in enumerate(eqn.invars) if isinstance(a, compat.Literal)))
         template = self._cache.get(key) if key is not None else None
         if template is None:
             template = _replacement(rule, name, eqn, dyn)
@@ -104,12 +105,12 @@ class Replacements:
         return placed
 
 
-def _traced_captures(fn: Any) -> list[str]:
+def _traced_captures(fn: object) -> list[str]:
     """Names of the values ``fn`` closes over (cells, defaults, ``partial`` arguments) that hold a tracer."""
     found: list[str] = []
     seen: set[int] = set()
 
-    def visit(f: Any, depth: int) -> None:
+    def visit(f: object, depth: int) -> None:
         if depth > 3 or id(f) in seen:
             return
         seen.add(id(f))
@@ -128,7 +129,7 @@ def _traced_captures(fn: Any) -> list[str]:
         for i, v in enumerate(getattr(f, "__defaults__", None) or ()):
             check(f"default argument {i}", v, depth)
 
-    def check(label: str, value: Any, depth: int) -> None:
+    def check(label: str, value: object, depth: int) -> None:
         if callable(value) and not isinstance(value, compat.Tracer):
             visit(value, depth + 1)
             return
@@ -159,7 +160,7 @@ def _replacement(rule: Rule, name: str, eqn: JaxprEqn, dyn: list[int]) -> JaxprE
     if captured:
         raise _closure_error(rule, name, eqn, ", ".join(captured))
 
-    def fn(*xs: Any) -> list[Any]:
+    def fn(*xs: jax.Array) -> list[ArrayLike]:
         return apply_rule(rule, eqn, name, xs)
 
     with compat.source_of(eqn), eqn.ctx.manager:
@@ -186,16 +187,16 @@ class Splicer:
         self._scoped_ops = table.scoped_ops
         # Values the program computes from literals alone, every element equal (see _constant_value):
         # the walk hands over every equation of a program in order, so an input's entry is made before it is read.
-        self._constants: dict[Any, _Constant] = {}
+        self._constants: dict[compat.Var, _Constant] = {}
 
     @property
     def scoped(self) -> bool:
         """Whether the table has scoped entries: the walk must pass each equation's enclosing scopes."""
         return bool(self._scoped_ops)
 
-    def constant(self, atom: Any) -> Any:
+    def constant(self, atom: compat.Atom) -> np.generic | np.ndarray | None:
         """The value of ``atom`` (every element equal) if the program computes it from literals alone, else ``None``."""
-        c = self._constants.get(atom) if not compat.is_literal(atom) else None
+        c = self._constants.get(atom) if not isinstance(atom, compat.Literal) else None
         return None if c is None else c.value
 
     def __call__(self, eqn: JaxprEqn, outer: tuple[str, ...] = ()) -> list[JaxprEqn] | None:
@@ -233,7 +234,7 @@ class Splicer:
 class _Constant(NamedTuple):
     """A value computed from literals alone: every element ``value``, within a factor ``slack`` of it."""
 
-    value: Any  # a NumPy scalar of the equation's output dtype
+    value: np.generic | np.ndarray  # a NumPy scalar (0-d) of the equation's output dtype
     slack: float  # >= 1: the value XLA computes lies in [value / slack, value * slack]
 
 
@@ -241,7 +242,7 @@ class _Constant(NamedTuple):
 _SAME_VALUE = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "copy", "copy_p"})
 
 
-def _constant_value(eqn: JaxprEqn, known: dict[Any, _Constant]) -> _Constant | None:
+def _constant_value(eqn: JaxprEqn, known: dict[compat.Var, _Constant]) -> _Constant | None:
     """The value of ``eqn``'s output if its inputs are literals or known constants and the operation is simple.
 
     Only values that are finite, nonzero and normal with a wide margin are
@@ -250,13 +251,13 @@ def _constant_value(eqn: JaxprEqn, known: dict[Any, _Constant]) -> _Constant | N
     subnormal read as 0) lands on a finite, nonzero, normal value too. Any
     doubt gives ``None``: a constant not recognised only costs a mask.
     """
-    out_dtype = np.dtype(cast(Any, eqn.outvars[0].aval).dtype)
+    out_dtype = np.dtype(walk.shaped(eqn.outvars[0].aval).dtype)
     if not jax.numpy.issubdtype(out_dtype, jax.numpy.floating):
         return None
     ins: list[_Constant] = []
     for a in eqn.invars:
-        if compat.is_literal(a):
-            v = np.asarray(cast(Any, a).val)
+        if isinstance(a, compat.Literal):
+            v = np.asarray(a.val)
             if v.ndim != 0 or not (jax.numpy.issubdtype(v.dtype, jax.numpy.floating)
                                    or jax.numpy.issubdtype(v.dtype, jax.numpy.integer)):
                 return None
@@ -268,6 +269,7 @@ def _constant_value(eqn: JaxprEqn, known: dict[Any, _Constant]) -> _Constant | N
             ins.append(c)
     name = eqn.primitive.name
     eps = float(jax.numpy.finfo(out_dtype).eps)
+    value: np.generic | np.ndarray
     try:
         with np.errstate(all="ignore"):
             if name in _SAME_VALUE and len(ins) == 1:
@@ -281,7 +283,7 @@ def _constant_value(eqn: JaxprEqn, known: dict[Any, _Constant]) -> _Constant | N
                 value, slack = (x * y if name == "mul" else x / y), ins[0].slack * ins[1].slack * (1 + eps)
             elif name == "reduce_sum" and len(ins) == 1:
                 # n equal terms of one sign: no cancellation; each addition rounds once
-                shape = cast(Any, eqn.invars[0].aval).shape
+                shape = walk.shaped(eqn.invars[0].aval).shape
                 n = int(np.prod([shape[i] for i in eqn.params.get("axes", ())], dtype=np.int64))
                 if n < 1 or n * eps > 0.25:
                     return None
@@ -289,23 +291,23 @@ def _constant_value(eqn: JaxprEqn, known: dict[Any, _Constant]) -> _Constant | N
                 slack = ins[0].slack * (1 + eps) ** (n + 1)
             else:
                 return None
-            value = np.asarray(value, out_dtype)[()]
+            scalar = np.asarray(value, out_dtype)[()]
             fi = jax.numpy.finfo(out_dtype)
-            mag = abs(float(value))
+            mag = abs(float(scalar))
             if not (np.isfinite(mag) and slack < 2.0 and mag / slack >= 4 * float(fi.tiny)
                     and mag * slack <= float(fi.max) / 4):
                 return None
     except (TypeError, ValueError, OverflowError):
         return None
-    return _Constant(value, slack)
+    return _Constant(scalar, slack)
 
 
 # --------------------------------------------------------------------------- rules as custom_vjp / custom_jvp
 
 
-def _view(eqn: JaxprEqn, name: str, inst: Any, invals: Sequence[Any], outs: Sequence[Any]) -> OpView:
+def _view(eqn: JaxprEqn, name: str, inst: named.Signature | None, invals: Sequence[object], outs: Sequence[object],
+          source: str) -> OpView:
     """The OpView a rule sees (a named op's ``inst`` rebuilds its arguments and outputs)."""
-    source = compat.source_line(eqn)
     if inst is not None:
         out = inst.outputs(list(outs))
         outputs = tuple(out) if isinstance(out, tuple) else (out,)
@@ -313,24 +315,24 @@ def _view(eqn: JaxprEqn, name: str, inst: Any, invals: Sequence[Any], outs: Sequ
     return OpView(name, tuple(invals), tuple(outs), freeze_params(eqn.params), source)
 
 
-def _per_input(inst: Any, per_jit_input: Sequence[Any]) -> Any:
+def _per_input(inst: named.Signature | None, per_jit_input: Sequence[object]) -> tuple[object, ...]:
     """Tangents as the rule sees them: per op input (a named op's static leaves get ``None``)."""
     return inst.split.scatter(per_jit_input) if inst is not None else tuple(per_jit_input)
 
 
-def _from_rule(inst: Any, per_leaf: list[Any]) -> list[Any]:
+def _from_rule(inst: named.Signature | None, per_leaf: list[object]) -> list[object]:
     """One value per leaf of ``op.inputs`` -> one per jit input (a named op's static leaves dropped)."""
     return inst.dynamic(per_leaf) if inst is not None else per_leaf
 
 
-def _structured(inst: Any, flat: Sequence[Any]) -> Any:
+def _structured(inst: named.Signature | None, flat: Sequence[object]) -> object:
     """Flat per-output values in the shape the rule sees (bare value for one output)."""
     if inst is not None:
         return inst.outputs(list(flat))
     return flat[0] if len(flat) == 1 else tuple(flat)
 
 
-def apply_rule(rule: Rule, eqn: JaxprEqn, name: str, dyn_inputs: Sequence[Any]) -> list[Any]:
+def apply_rule(rule: Rule, eqn: JaxprEqn, name: str, dyn_inputs: Sequence[jax.Array]) -> list[ArrayLike]:
     """``eqn`` applied to ``dyn_inputs`` (its non-literal inputs) inside a custom_vjp/custom_jvp carrying ``rule``."""
     # Literal inputs are constants of the program: closed over, not
     # differentiated; the rule's cotangent for them is dropped. The closures
@@ -339,16 +341,19 @@ def apply_rule(rule: Rule, eqn: JaxprEqn, name: str, dyn_inputs: Sequence[Any]) 
     dyn_pos = [i for i, a in enumerate(eqn.invars) if not compat.is_literal(a)]
     # Resolved once, here: the closures below keep the named op's signature alive.
     jit_name = eqn.params.get("name", "") if compat.is_jit(eqn) else ""
-    inst = named.require(jit_name, compat.source_line(eqn)) if jit_name.startswith(compat.NAMED_OP_PREFIX) else None
-    literals = [cast(Any, a).val if compat.is_literal(a) else None for a in eqn.invars]
+    # The user's line, taken now: inside a library's jitted body it is the caller's (compat.call_site), which
+    # holds only while the program is rewritten, not when the rule runs.
+    source = compat.source_line(eqn)
+    inst = named.require(jit_name, source) if jit_name.startswith(compat.NAMED_OP_PREFIX) else None
+    literals: list[ArrayLike | None] = [a.val if isinstance(a, compat.Literal) else None for a in eqn.invars]
 
-    def full(dyn: Sequence[Any]) -> list[Any]:
+    def full(dyn: Sequence[ArrayLike]) -> list[ArrayLike | None]:
         vals = list(literals)
         for i, x in zip(dyn_pos, dyn):
             vals[i] = x
-        return vals
+        return vals  # no None left: dyn has one value per non-literal input
 
-    def primal(*dyn: Any) -> list[Any]:
+    def primal(*dyn: jax.Array) -> list[ArrayLike]:
         return compat.bind(eqn, full(dyn))
 
     primal.__name__ = primal.__qualname__ = compat.rule_wrapper_name(name)
@@ -356,18 +361,20 @@ def apply_rule(rule: Rule, eqn: JaxprEqn, name: str, dyn_inputs: Sequence[Any]) 
     if rule.mode == "vjp":
         fn = jax.custom_vjp(primal)
 
-        def fwd(*dyn: Any) -> tuple[list[Any], Any]:
+        Residuals = tuple[tuple[jax.Array, ...], list[ArrayLike]]
+
+        def fwd(*dyn: jax.Array) -> tuple[list[ArrayLike], Residuals]:
             outs = primal(*dyn)
             return outs, (dyn, outs)
 
-        def bwd(res: Any, g: list[Any]) -> tuple[Any, ...]:
+        def bwd(res: Residuals, g: list[jax.Array]) -> tuple[ArrayLike, ...]:
             dyn, outs = res
             all_in = full(dyn)
-            view = _view(eqn, name, inst, all_in, outs)
-            g = [None if validate.is_float0(x) else x for x in g]
-            cts = validate.checked_call(rule, view, _structured(inst, g))
-            flat = _from_rule(inst, validate.align(rule, view, cts, view.inputs, "cotangent"))
-            flat = validate.check_all(rule, view, flat, all_in, "cotangent")
+            view = _view(eqn, name, inst, all_in, outs, source)
+            g_in = [None if validate.is_float0(x) else x for x in g]
+            cts = validate.checked_call(rule, view, _structured(inst, g_in))
+            aligned = _from_rule(inst, validate.align(rule, view, cts, view.inputs, "cotangent"))
+            flat = validate.check_all(rule, view, aligned, all_in, "cotangent")
             return tuple(flat[i] for i in dyn_pos)
 
         fn.defvjp(fwd, bwd)
@@ -379,17 +386,18 @@ def apply_rule(rule: Rule, eqn: JaxprEqn, name: str, dyn_inputs: Sequence[Any]) 
     # rule gets zeros there (JAX's instantiated zeros), as it always has.
     library = rule.key[:1] == ("gradkit",)
 
-    def jvp(primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> tuple[list[Any], list[Any]]:
+    def jvp(primals: tuple[jax.Array, ...], tangents: tuple[jax.Array | SymbolicZero, ...]
+            ) -> tuple[list[ArrayLike], list[ArrayLike]]:
         outs = jfn(*primals)  # calling the custom function keeps the rule in force at every order
         all_in = full(primals)
-        view = _view(eqn, name, inst, all_in, outs)
-        t_all: list[Any] = [None] * len(literals)
+        view = _view(eqn, name, inst, all_in, outs, source)
+        t_all: list[jax.Array | None] = [None] * len(literals)
         for i, t in zip(dyn_pos, tangents):
             t_all[i] = None if isinstance(t, SymbolicZero) or validate.is_float0(t) else t
         t_out = validate.checked_call(rule, view, _per_input(inst, t_all))
         like = view.outputs
-        flat = validate.align(rule, view, t_out, like, "output tangent")
-        flat = validate.check_all(rule, view, flat, outs, "output tangent")
+        aligned = validate.align(rule, view, t_out, like, "output tangent")
+        flat = validate.check_all(rule, view, aligned, outs, "output tangent")
         if not library:  # library rules are linear by construction
             _check_linear(rule, view, inst, t_all, outs)
         return outs, flat
@@ -398,7 +406,8 @@ def apply_rule(rule: Rule, eqn: JaxprEqn, name: str, dyn_inputs: Sequence[Any]) 
     return list(jfn(*dyn_inputs))
 
 
-def _check_linear(rule: Rule, view: OpView, inst: Any, t_all: list[Any], outs: Sequence[Any]) -> None:
+def _check_linear(rule: Rule, view: OpView, inst: named.Signature | None, t_all: list[jax.Array | None],
+                  outs: Sequence[ArrayLike]) -> None:
     """Raises if a JVP rule is not linear in its tangents.
 
     Reverse mode transposes the rule; a nonlinear one (``t ** 2``, ``t * t``,
@@ -412,15 +421,17 @@ def _check_linear(rule: Rule, view: OpView, inst: Any, t_all: list[Any], outs: S
         return
     structs = [jax.ShapeDtypeStruct(np.shape(t_all[i]), jax.numpy.result_type(t_all[i])) for i in live]
 
-    def tangent_map(*ts: Any) -> list[Any]:
+    def tangent_map(*ts: jax.Array) -> list[Any]:  # the rule's tangents, not checked here
         t = list(t_all)
         for i, x in zip(live, ts):
             t[i] = x
         t_out = rule.fn(view, _per_input(inst, t))
         flat = validate.align(rule, view, t_out, view.outputs, "output tangent")
-        return [x for x, o in zip(flat, outs) if x is not None and validate.has_tangent_space(o)]
+        return [x for x, o in zip(flat, outs) if x is not None and validate.has_tangent_space(o)]  # arrays
 
-    def transpose(*ts: Any) -> Any:
+
+    def transpose(*ts: jax.Array) -> object:
+
         # zeros_like of real outputs: they carry the outputs' full type (e.g.
         # shard_map's varying manual axes), which a ShapeDtypeStruct would not.
         cts = [jax.numpy.zeros_like(o) for o in tangent_map(*ts)]

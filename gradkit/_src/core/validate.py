@@ -12,17 +12,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike, DTypeLike
 
 from gradkit._src import compat
 from gradkit._src.core.rule import OpView, Rule
 from gradkit._src.errors import GradkitError, describe
 
 
-def is_float0(x: Any) -> bool:
+def is_float0(x: object) -> bool:
     return getattr(x, "dtype", None) == jax.dtypes.float0
 
 
-def has_tangent_space(x: Any) -> bool:
+def has_tangent_space(x: object) -> bool:
     dtype = getattr(x, "dtype", None)
     if dtype is None:
         return isinstance(x, (float, complex))
@@ -37,7 +38,7 @@ def _where(rule: Rule, op: OpView) -> str:
     return f"rule {rule.name} for op '{op.name}' at {op.source}"
 
 
-def align(rule: Rule, op: OpView, value: Any, like: tuple[Any, ...], what: str) -> list[Any]:
+def align(rule: Rule, op: OpView, value: object, like: Sequence[object], what: str) -> list[object]:
     """Matches ``value`` (one entry per element of ``like``) to ``like``'s leaves.
 
     Returns one entry per leaf of ``like``: the rule's value or ``None``.
@@ -59,13 +60,13 @@ def align(rule: Rule, op: OpView, value: Any, like: tuple[Any, ...], what: str) 
         raise GradkitError(
             f"{_where(rule, op)} returned {len(value)} {what}s for {len(like)} inputs. Return exactly one "
             f"per input of op.inputs, in order (None for no gradient).")
-    out: list[Any] = []
+    out: list[object] = []
     for i, (v, ref) in enumerate(zip(value, like)):
         out.extend(_align_one(rule, op, v, ref, what, f"input {i}"))
     return out
 
 
-def _align_one(rule: Rule, op: OpView, value: Any, ref: Any, what: str, where: str) -> list[Any]:
+def _align_one(rule: Rule, op: OpView, value: object, ref: object, what: str, where: str) -> list[object]:
     if value is not None and not isinstance(value, (tuple, list, dict)) and len(jax.tree_util.tree_leaves(ref)) == 1 \
             and jax.tree_util.tree_leaves(ref)[0] is ref:
         # A single array input and no container: the value is its one leaf, and
@@ -74,7 +75,7 @@ def _align_one(rule: Rule, op: OpView, value: Any, ref: Any, what: str, where: s
     return match_leaves(value, ref, _where(rule, op), what, where)
 
 
-def match_leaves(value: Any, ref: Any, where: str, what: str, label: str) -> list[Any]:
+def match_leaves(value: object, ref: object, where: str, what: str, label: str) -> list[object]:
     """``value``'s entries aligned with ``ref``'s leaves; ``None`` stands for any subtree.
 
     ``where`` (what is being checked: the rule and op, or the function) and
@@ -83,9 +84,9 @@ def match_leaves(value: Any, ref: Any, where: str, what: str, label: str) -> lis
     ref_leaves = jax.tree_util.tree_leaves(ref)
     if value is None:
         return [None] * len(ref_leaves)
-    got: list[Any] = []
+    got: list[object] = []
 
-    def visit(v: Any, r: Any) -> None:
+    def visit(v: object, r: object) -> None:
         r_leaves = jax.tree_util.tree_leaves(r)
         if v is None:
             got.extend([None] * len(r_leaves))
@@ -109,7 +110,8 @@ def match_leaves(value: Any, ref: Any, where: str, what: str, label: str) -> lis
     return got
 
 
-def check_leaf(rule: Rule, op: OpView, value: Any, primal: Any, what: str, index: int) -> Any:
+def check_leaf(rule: Rule, op: OpView, value: object, primal: ArrayLike | None, what: str,
+               index: int) -> jax.Array | np.ndarray:
     """Checks one cotangent/tangent leaf against its primal; returns a JAX value.
 
     ``None`` becomes zeros (``float0`` zeros for integer and boolean primals).
@@ -160,11 +162,12 @@ def check_leaf(rule: Rule, op: OpView, value: Any, primal: Any, what: str, index
     return jnp.asarray(value)
 
 
-def check_all(rule: Rule, op: OpView, values: Sequence[Any], primals: Sequence[Any], what: str) -> list[Any]:
+def check_all(rule: Rule, op: OpView, values: Sequence[object], primals: Sequence[ArrayLike | None],
+              what: str) -> list[ArrayLike]:
     return [check_leaf(rule, op, v, p, what, i) for i, (v, p) in enumerate(zip(values, primals))]
 
 
-def _weak_cast_ok(value: Any, vdtype: Any, dtype: Any) -> bool:
+def _weak_cast_ok(value: object, vdtype: DTypeLike, dtype: DTypeLike) -> bool:
     """Whether ``value`` is weakly typed and casting it to ``dtype`` loses no kind of information."""
     if not compat.is_weakly_typed(value):
         return False
@@ -173,7 +176,8 @@ def _weak_cast_ok(value: Any, vdtype: Any, dtype: Any) -> bool:
     return bool(jnp.issubdtype(vdtype, jnp.integer) or jnp.issubdtype(vdtype, jnp.floating))
 
 
-def checked_call(rule: Rule, op: OpView, arg: Any) -> Any:
+def checked_call(rule: Rule, op: OpView, arg: Any) -> object:  # Any: a VJP rule's g or a JVP rule's tangents
+
     """Calls the rule; an exception inside it keeps its type, with a ``[gradkit]`` note naming the op."""
     try:
         return rule.fn(op, arg)

@@ -18,12 +18,17 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 from gradkit._src import compat
 from gradkit._src.compat import Jaxpr, JaxprEqn
 
 _LEAF_TYPES = (str, bytes, int, float, complex, bool, type(None))
+
+
+def shaped(aval: compat.AbstractValue) -> compat.ShapedArray:
+    """A variable's aval as the array type it is (JAX types ``Var.aval`` as the abstract base, with no shape)."""
+    return cast(compat.ShapedArray, aval)
 
 
 def _contains(x: Any) -> bool:
@@ -183,7 +188,8 @@ class Rewrite:
                 continue
             if self._enter(eqn) and has_subprograms(eqn):
                 inner = outer + compat.name_scopes(eqn) if self._scoped else outer
-                with compat.body_context(eqn):  # code traced for a shard_map body sees its mesh axes
+                # code traced for a shard_map body sees its mesh axes; a line in library code is the caller's
+                with compat.body_context(eqn), compat.call_site(eqn):
                     params = map_subprograms(eqn.params, functools.partial(self._rewrite, outer=inner))
                 if params is not None:
                     eqn = eqn.replace(params=params)

@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any, Protocol, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.typing import ArrayLike, DTypeLike
 
 from gradkit._src import compat
 from gradkit._src.core import walk
@@ -53,8 +54,8 @@ _LINEAR = "linear"  # any other operation on tangents (neg, add, convert, broadc
 class _Scale:
     """``source * factor`` (or ``source / factor``), masked where ``source`` is 0 (and ``0 * inf`` both ways)."""
 
-    source: Any  # the tangent-side atom
-    factor: Any  # the primal atom
+    source: compat.Atom  # the tangent-side atom
+    factor: compat.Atom  # the primal atom
     divide: bool
 
 
@@ -62,8 +63,8 @@ class _Scale:
 class _Program:
     """JAX's JVP of one primitive application, annotated for the safe re-play."""
 
-    jaxpr: Any
-    consts: tuple[Any, ...]
+    jaxpr: compat.Jaxpr
+    consts: tuple[object, ...]
     kinds: tuple[str, ...]  # one per equation
     scales: tuple[_Scale | None, ...]  # for _SCALE equations
 
@@ -72,30 +73,30 @@ class _Program:
         return _SCALE in self.kinds
 
 
-def _is_inexact(x: Any) -> bool:
+def _is_inexact(x: object) -> bool:
     return bool(jnp.issubdtype(compat.aval_of(x).dtype, jnp.inexact))
 
 
-def _finite_literal(a: Any) -> bool:
-    return compat.is_literal(a) and bool(np.all(np.isfinite(a.val)))
+def _finite_literal(a: compat.Atom) -> bool:
+    return isinstance(a, compat.Literal) and bool(np.all(np.isfinite(a.val)))
 
 
-def _same_params(a: Any, b: Any) -> bool:
+def _same_params(a: Mapping[str, object], b: Mapping[str, object]) -> bool:
     try:
         return bool(dict(a) == dict(b))
     except Exception:
         return False
 
 
-def _trace_program(prim: Any, params: tuple[tuple[str, Any], ...], structs: tuple[jax.ShapeDtypeStruct, ...],
-                   diff: tuple[bool, ...]) -> _Program:
+def _trace_program(prim: compat.Primitive, params: tuple[tuple[str, object], ...],
+                   structs: tuple[jax.ShapeDtypeStruct, ...], diff: tuple[bool, ...]) -> _Program:
     kw = dict(params)
     idx = [i for i, d in enumerate(diff) if d]
 
-    def jvp_of(*args: Any) -> Any:
+    def jvp_of(*args: jax.Array) -> object:
         primals, tangents = list(args[:len(structs)]), args[len(structs):]
 
-        def f(*dyn: Any) -> Any:
+        def f(*dyn: jax.Array) -> jax.Array | tuple[jax.Array, ...]:
             xs = list(primals)
             for i, x in zip(idx, dyn):
                 xs[i] = x
@@ -138,13 +139,14 @@ def _trace_program(prim: Any, params: tuple[tuple[str, Any], ...], structs: tupl
 
 
 @functools.lru_cache(maxsize=4096)
-def _cached_program(prim: Any, params: tuple[tuple[str, Any], ...], structs: tuple[jax.ShapeDtypeStruct, ...],
-                    diff: tuple[bool, ...], context: Any) -> _Program:
+def _cached_program(prim: compat.Primitive, params: tuple[tuple[str, object], ...],
+                    structs: tuple[jax.ShapeDtypeStruct, ...], diff: tuple[bool, ...], context: Hashable) -> _Program:
     del context  # part of the key only: x64 and friends change the traced program
     return _trace_program(prim, params, structs, diff)
 
 
-def program(prim: Any, params: Any, inputs: Sequence[Any], diff: tuple[bool, ...]) -> _Program:
+def program(prim: compat.Primitive, params: Mapping[str, object], inputs: Sequence[ArrayLike],
+            diff: tuple[bool, ...]) -> _Program:
     """JAX's JVP of ``prim`` at inputs like ``inputs`` w.r.t. the inputs flagged in ``diff`` (cached)."""
     items = tuple(sorted(dict(params).items()))
     structs = tuple(compat.struct_of(compat.aval_of(x), placement=False) for x in inputs)
@@ -156,7 +158,7 @@ def program(prim: Any, params: Any, inputs: Sequence[Any], diff: tuple[bool, ...
         return _trace_program(prim, items, structs, diff)
 
 
-def as_dtype(x: Any, dtype: Any) -> Any:
+def as_dtype(x: ArrayLike, dtype: DTypeLike) -> jax.Array | np.ndarray:
     """``x`` as ``dtype``: a convert for JAX values (no ``jnp.asarray``: under ``vmap`` that is a
     ``device_put``, which makes JAX import and register more of itself), NumPy for constants."""
     if isinstance(x, (jax.Array, compat.Tracer)):
@@ -164,7 +166,7 @@ def as_dtype(x: Any, dtype: Any) -> Any:
     return np.asarray(x, dtype)
 
 
-def _apply_scale(step: _Scale, env: dict[Any, Any], aval: Any) -> Any:
+def _apply_scale(step: _Scale, env: dict[compat.Var, object], aval: compat.ShapedArray) -> jax.Array:
     shape, dtype = tuple(aval.shape), aval.dtype
     d = jnp.broadcast_to(as_dtype(compat.read_atom(env, step.factor), dtype), shape)
     u = compat.read_atom(env, step.source)
@@ -172,10 +174,10 @@ def _apply_scale(step: _Scale, env: dict[Any, Any], aval: Any) -> Any:
     return compat.safe_scale(u, d, divide=step.divide)
 
 
-def replay(prog: _Program, primals: Sequence[Any], tangents: Sequence[Any],
-           outputs: Sequence[Any] | None = None) -> list[Any]:
+def replay(prog: _Program, primals: Sequence[ArrayLike], tangents: Sequence[ArrayLike],
+           outputs: Sequence[jax.Array] | None = None) -> list[jax.Array]:
     """Evaluates the program with masked products; ``outputs`` stand for the primitive's own result."""
-    env: dict[Any, Any] = {}
+    env: dict[compat.Var, object] = {}
     jaxpr = prog.jaxpr
     for v, c in zip(jaxpr.constvars, prog.consts):
         env[v] = c
@@ -184,7 +186,7 @@ def replay(prog: _Program, primals: Sequence[Any], tangents: Sequence[Any],
     for eqn, kind, step in zip(jaxpr.eqns, prog.kinds, prog.scales):
         if kind == _SCALE:
             assert step is not None  # every scaled equation has its scale
-            outs = [_apply_scale(step, env, eqn.outvars[0].aval)]
+            outs = [_apply_scale(step, env, walk.shaped(eqn.outvars[0].aval))]
         else:
             ins = [compat.read_atom(env, a) for a in eqn.invars]
             if kind == _PRIMAL and outputs is not None:
@@ -198,43 +200,44 @@ def replay(prog: _Program, primals: Sequence[Any], tangents: Sequence[Any],
     return [compat.read_atom(env, a) for a in jaxpr.outvars]
 
 
-def safe_bind(prim: Any, params: Any, inputs: Sequence[Any], fixed: Sequence[bool] | None = None) -> list[Any]:
+def safe_bind(prim: compat.Primitive, params: Mapping[str, object], inputs: Sequence[ArrayLike],
+              fixed: Sequence[bool] | None = None) -> list[jax.Array]:
     """``prim`` applied to ``inputs``, with a safe derivative (a ``custom_jvp``) where its JVP scales.
 
     The value is the primitive's own; only its derivative changes, and only
     where JAX's rule multiplies a tangent by a primal quantity. Inputs flagged
     in ``fixed`` (constants of the program) are not differentiated.
     """
-    params = dict(params)
+    kw = dict(params)
     fixed = fixed or [False] * len(inputs)
     diff = tuple(_is_inexact(x) and not c for x, c in zip(inputs, fixed))
     inputs = compat.match_varying(inputs)
-    if prim.multiple_results or not any(diff) or walk.subprograms(params) or _by_constant(prim, inputs, fixed):
-        return compat.bind_primitive(prim, inputs, params)
+    if prim.multiple_results or not any(diff) or walk.subprograms(kw) or _by_constant(prim, inputs, fixed):
+        return compat.bind_primitive(prim, inputs, kw)
     try:
-        prog = program(prim, params, inputs, diff)
+        prog = program(prim, kw, inputs, diff)
     except Exception:
-        return compat.bind_primitive(prim, inputs, params)
+        return compat.bind_primitive(prim, inputs, kw)
     if not prog.masks:
-        return compat.bind_primitive(prim, inputs, params)
+        return compat.bind_primitive(prim, inputs, kw)
     idx = [i for i, d in enumerate(diff) if d]
 
     # Every input is an argument, the fixed ones too: JAX memoizes the traced
     # JVP with the program, so it must close over no value of this trace
     # (inside shard_map, match_varying made even the constants traced values).
     @jax.custom_jvp
-    def f(*xs: Any) -> Any:
-        return compat.bind_primitive(prim, list(xs), params)[0]
+    def f(*xs: jax.Array) -> jax.Array:
+        return compat.bind_primitive(prim, list(xs), kw)[0]
 
     @f.defjvp
-    def f_jvp(primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> tuple[Any, Any]:
+    def f_jvp(primals: tuple[jax.Array, ...], tangents: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
         out = f(*primals)  # the fixed inputs' tangents are dropped: they are constants of the program
         return out, replay(prog, list(primals), [tangents[i] for i in idx], [out])[0]
 
     return [f(*inputs)]
 
 
-def _by_constant(prim: Any, inputs: Sequence[Any], fixed: Sequence[bool]) -> bool:
+def _by_constant(prim: compat.Primitive, inputs: Sequence[object], fixed: Sequence[bool]) -> bool:
     """``c * x``, ``x * c`` or ``x / c`` with ``c`` a finite nonzero constant: its safe derivative is JAX's.
 
     The case of :func:`keeps_jax_derivative`, for a primal quantity of a
@@ -246,24 +249,24 @@ def _by_constant(prim: Any, inputs: Sequence[Any], fixed: Sequence[bool]) -> boo
     return not isinstance(c, compat.Tracer) and nonzero_normal(c)
 
 
-def nonzero_normal(c: Any) -> bool:
+def nonzero_normal(c: object) -> bool:
     """Every element of the constant ``c`` is finite and nonzero, and not subnormal (a float).
 
     Subnormals are excluded: XLA's CPU backend reads them as 0, and there
     ``safe_scale`` masks where a plain product would not.
     """
-    c = np.asarray(c)
-    if c.dtype.kind == "f" or c.dtype.name in ("bfloat16", "float16") or jnp.issubdtype(c.dtype, jnp.floating):
-        tiny = float(jnp.finfo(c.dtype).tiny)
-        a = np.abs(c.astype(np.float64))
-        return bool(c.size and np.all(np.isfinite(a)) and np.all(a >= tiny))
-    return bool(c.size and np.all(c != 0)) if c.dtype.kind in "iub" else False
+    a = np.asarray(c)
+    if a.dtype.kind == "f" or a.dtype.name in ("bfloat16", "float16") or jnp.issubdtype(a.dtype, jnp.floating):
+        tiny = float(jnp.finfo(a.dtype).tiny)
+        m = np.abs(a.astype(np.float64))
+        return bool(a.size and np.all(np.isfinite(m)) and np.all(m >= tiny))
+    return bool(a.size and np.all(a != 0)) if a.dtype.kind in "iub" else False
 
 
 # --------------------------------------------------------------------------- the rules
 
 
-def _lax_params(target: str, op: OpView) -> dict[str, Any]:
+def _lax_params(target: str, op: OpView) -> dict[str, object]:
     """The primitive's parameters for a rule retargeted to another op (a gk.op wrapping the primitive)."""
     fn = getattr(lax, target, None)
     error: Exception | None = None
@@ -280,13 +283,21 @@ def _lax_params(target: str, op: OpView) -> dict[str, Any]:
         f"{{rule = \"safe\", op = \"{target}\"}} only on an op that computes lax.{target} of its inputs.")
 
 
-def safe_rule(target: str) -> Callable[[OpView, tuple[Any, ...]], Any]:
+class SafeRuleFn(Protocol):
+    """A SAFE JVP rule function, with the predicate the splicer reads (:func:`keeps_jax_derivative`)."""
+
+    keeps_jax_derivative: Callable[..., bool]
+
+    def __call__(self, op: OpView, tangents: tuple[jax.Array | None, ...], /) -> object: ...
+
+
+def safe_rule(target: str) -> SafeRuleFn:
     """The SAFE JVP rule for primitive ``target`` (usable on an op that wraps it, too)."""
     prim = compat.primitive_by_name(target)
     if prim is None:  # pragma: no cover - every SAFE target is a lax primitive
         raise GradkitError(f"internal: no JAX primitive named {target!r} for a SAFE rule.")
 
-    def rule(op: OpView, tangents: tuple[Any, ...]) -> Any:
+    def rule(op: OpView, tangents: tuple[jax.Array | None, ...]) -> jax.Array | tuple[jax.Array, ...] | None:
         inputs = list(op.inputs)
         diff = tuple(t is not None and _is_inexact(x) for x, t in zip(inputs, tangents))
         if not any(diff):
@@ -294,15 +305,16 @@ def safe_rule(target: str) -> Callable[[OpView, tuple[Any, ...]], Any]:
         own = op.name == target
         params = dict(op.params) if own else _lax_params(target, op)
         prog = program(prim, params, inputs, diff)
-        ts = [as_dtype(t, compat.aval_of(x).dtype) for x, t, d in zip(inputs, tangents, diff) if d]
+        ts = [as_dtype(t, compat.aval_of(x).dtype) for x, t, d in zip(inputs, tangents, diff) if d and t is not None]
         out = replay(prog, inputs, ts, op.outputs if own else None)
         return out[0] if len(out) == 1 else tuple(out)
 
-    rule.keeps_jax_derivative = keeps_jax_derivative  # type: ignore[attr-defined]  # read by the splicer
-    return rule
+    fn = cast(SafeRuleFn, rule)
+    fn.keeps_jax_derivative = keeps_jax_derivative  # read by the splicer
+    return fn
 
 
-def keeps_jax_derivative(eqn: Any, constant: Callable[[Any], Any] = lambda atom: None) -> bool:
+def keeps_jax_derivative(eqn: compat.JaxprEqn, constant: Callable[[compat.Atom], object] = lambda atom: None) -> bool:
     """Whether SAFE's rule on ``eqn`` is JAX's own derivative, bit for bit, at every order.
 
     ``constant(atom)`` is the value of an input the program computes from
@@ -321,8 +333,9 @@ def keeps_jax_derivative(eqn: Any, constant: Callable[[Any], Any] = lambda atom:
     The splicer leaves such an equation as it is: no ``custom_jvp`` layer,
     no rule traced, no mask for XLA to compile.
     """
-    values = [a.val if compat.is_literal(a) else constant(a) for a in eqn.invars]
-    if all(v is not None or not jnp.issubdtype(a.aval.dtype, jnp.inexact) for a, v in zip(eqn.invars, values)):
+    values = [a.val if isinstance(a, compat.Literal) else constant(a) for a in eqn.invars]
+    if all(v is not None or not jnp.issubdtype(walk.shaped(a.aval).dtype, jnp.inexact)
+           for a, v in zip(eqn.invars, values)):
         return True
     fixed = [v is not None for v in values]
     return _by_constant(eqn.primitive, values, fixed)
@@ -337,7 +350,7 @@ def keeps_jax_derivative(eqn: Any, constant: Callable[[Any], Any] = lambda atom:
 # the (co)tangent is 0 and the value is NaN: the derivative of a loss that never uses the row.
 
 
-def safe_exp_rule() -> Callable[[OpView, tuple[Any, ...]], Any]:
+def safe_exp_rule() -> Callable[[OpView, tuple[jax.Array | None, ...]], jax.Array | None]:
     """``exp``'s JVP ``t * exp(x)``, 0 where ``t`` is 0 and the value is NaN (a NaN input); JAX's elsewhere.
 
     An overflowed ``exp`` (``inf``) keeps JAX's ``0 * inf = NaN``: a zero
@@ -345,12 +358,12 @@ def safe_exp_rule() -> Callable[[OpView, tuple[Any, ...]], Any]:
     (why ``exp`` is not in SAFE).
     """
 
-    def rule(op: OpView, tangents: tuple[Any, ...]) -> Any:
-        t = tangents[0] if tangents else None
-        if t is None:
+    def rule(op: OpView, tangents: tuple[jax.Array | None, ...]) -> jax.Array | None:
+        t0 = tangents[0] if tangents else None
+        if t0 is None:
             return None
         y = op.outputs[0]
-        t = as_dtype(t, compat.aval_of(y).dtype)
+        t = as_dtype(t0, compat.aval_of(y).dtype)
         nan = jnp.isnan(y)
         # both branches are transposed: the plain product must not meet the NaN either
         return jnp.where(nan, compat.safe_scale(t, y), t * jnp.where(nan, jnp.zeros((), y.dtype), y))
@@ -358,7 +371,8 @@ def safe_exp_rule() -> Callable[[OpView, tuple[Any, ...]], Any]:
     return rule
 
 
-def _dead_term(prim: Any, params: dict[str, Any], primal: Any, t: Any, primal_is_lhs: bool, out_aval: Any) -> Any:
+def _dead_term(prim: compat.Primitive, params: dict[str, Any], primal: jax.Array, t: jax.Array | np.ndarray,
+               primal_is_lhs: bool, out_aval: compat.ShapedArray) -> jax.Array:
     """The tangent term ``dot(primal, t)`` (or ``dot(t, primal)``), 0 where ``t`` meets a dead row as 0.
 
     A dead row of ``primal``: all its elements along the contracting dims are non-finite (a fully
@@ -397,12 +411,15 @@ def _dead_term(prim: Any, params: dict[str, Any], primal: Any, t: Any, primal_is
     return jnp.where(m_out, rest + bad, rest)
 
 
-def safe_dot_general_rule() -> Callable[[OpView, tuple[Any, ...]], Any]:
+def safe_dot_general_rule() -> Callable[[OpView, tuple[jax.Array | None, ...]], jax.Array | None]:
     """``dot_general``'s JVP with dead rows (all non-finite along the contraction) 0 where their tangent is 0."""
     prim = compat.primitive_by_name("dot_general")
+    if prim is None:  # pragma: no cover - a lax primitive
+        raise GradkitError("internal: no JAX primitive named 'dot_general' for a SAFE rule.")
 
-    def rule(op: OpView, tangents: tuple[Any, ...]) -> Any:
+    def rule(op: OpView, tangents: tuple[jax.Array | None, ...]) -> jax.Array | None:
         params = dict(op.params)
+
         if "dimension_numbers" not in params or len(op.inputs) != 2:
             raise GradkitError(
                 f"rule gradkit.safe[dot_general] for op '{op.name}' at {op.source}: the op is not a "
@@ -414,8 +431,9 @@ def safe_dot_general_rule() -> Callable[[OpView, tuple[Any, ...]], Any]:
         for k, (primal, t) in enumerate(((lhs, tangents[1]), (rhs, tangents[0]))):
             if t is None or not _is_inexact(t):
                 continue
-            t = as_dtype(t, compat.aval_of(op.inputs[1 - k]).dtype)
-            terms.append(_dead_term(prim, params, primal, t, k == 0, out_aval))
+            terms.append(_dead_term(prim, params, primal, as_dtype(t, compat.aval_of(op.inputs[1 - k]).dtype), k == 0,
+                                    out_aval))
+
         if not terms:
             return None
         return terms[0] if len(terms) == 1 else terms[0] + terms[1]
