@@ -390,6 +390,12 @@ def test_bad_composites_are_gradkit_errors():
         A.alpha_beta(1, 1)
     with pytest.raises(gk.GradkitError, match=r"\[gradkit\].*eps must be >= 0"):
         A.epsilon(-1.0)
+    with pytest.raises(gk.GradkitError, match=r"\[gradkit\].*one array"):
+        A.lrp(lambda v: (jax_cnn(v), v), x, A.EPSILON_PLUS)
+    with pytest.raises(gk.GradkitError, match=r"\[gradkit\].*floating point"):
+        A.lrp(jax_cnn, np.ones((1, 2, 8, 8), np.int32), A.EPSILON_PLUS)
+    with pytest.raises(gk.GradkitError, match=r"\[gradkit\].*outside the output's 3 classes"):
+        A.lrp(jax_cnn, x, A.EPSILON_PLUS, target=5)
 
 
 def test_composites_are_data():
