@@ -79,7 +79,7 @@ class Composite(Mapping[str, LrpRule]):
         return "Composite({" + ", ".join(f"{k!r}: {v!r}" for k, v in self._rules.items()) + "})"
 
     def __hash__(self) -> int:
-        return hash(tuple(sorted(self._rules.items(), key=lambda kv: kv[0])))
+        return hash(tuple(sorted((k, repr(v)) for k, v in self._rules.items())))  # a zbox's bounds may be arrays
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Mapping) and dict(self.items()) == dict(other.items())
