@@ -25,8 +25,8 @@ import functools
 import inspect
 import threading
 import types
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar, overload
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Generic, TypeVar, cast, overload
 
 import jax
 
@@ -39,18 +39,20 @@ from gradkit._src.core.splice import CacheInfo, Replacements, Splicer, op_name
 from gradkit._src.core.table import RuleTable
 from gradkit._src.errors import GradkitError, callable_name, near_misses
 
-F = TypeVar("F", bound=Callable[..., Any])
+F = TypeVar("F", bound=Callable[..., object])
+R = TypeVar("R", covariant=True)  # what the overridden function returns
 
 __all__ = ["Overridden", "op_name", "override"]
 
 
 @dataclasses.dataclass(frozen=True)
 class _Entry:
-    """One input signature's program."""
+    """One input signature's program (closed jaxprs: a ``Jaxpr`` with its consts from jax 0.11 on)."""
 
-    outer: Any  # the one-equation jaxpr that calls the rewritten body (its consts: values fn closes over)
-    body: Any  # the rewritten program (the jit equation's body)
-    out_tree: Any
+
+    outer: compat.Jaxpr  # the one-equation jaxpr calling the rewritten body (its consts: values fn closes over)
+    body: compat.Jaxpr  # the rewritten program (the jit equation's body)
+    out_tree: jax.tree_util.PyTreeDef
     matched: Mapping[str, str]  # op name -> source line of its first match
     # The named ops the program calls, held for as long as the program is:
     # their rules read their signatures when it is differentiated.
@@ -61,11 +63,11 @@ class _Entry:
         return any(e.primitive.name in compat.CUSTOM_VJP_PRIMITIVES and compat.rule_target(e) is None
                    for e, _ in walk.equations(self.body, enter=lambda e: not compat.is_opaque(e)))
 
-    def call(self, *dyn: Any) -> list[Any]:
+    def call(self, *dyn: object) -> list[jax.Array]:
         return compat.eval_jaxpr(self.outer, dyn)
 
     @functools.cached_property
-    def run(self) -> Callable[..., Any]:
+    def run(self) -> Callable[..., list[jax.Array]]:
         return jax.jit(self.call)
 
 
@@ -73,22 +75,22 @@ _ARRAY = compat.ArrayImpl
 _is_array = _args.is_array
 
 
-class Overridden:
+class Overridden(Generic[R]):
     """A function with a rule table applied; made by :func:`override`."""
 
-    def __init__(self, fn: Callable[..., Any], table: RuleTable, strict: bool) -> None:
+    def __init__(self, fn: Callable[..., R], table: RuleTable, strict: bool) -> None:
         # updated=(): copying fn.__dict__ would copy an inner Overridden's table
         # and caches over this one's (override(override(f, t1), t2)).
         functools.update_wrapper(self, fn, updated=())
         self._fn = fn
         self._table = table
         self._strict = strict
-        self._cache: LRU[Any, _Entry] = LRU(f"override({callable_name(fn)})")
+        self._cache: LRU[Hashable, _Entry] = LRU(f"override({callable_name(fn)})")
         self._lock = threading.Lock()
         self._replacements = Replacements()
         self.trace_count = 0
 
-        def eager(*a: Any, **k: Any) -> Any:
+        def eager(*a: object, **k: object) -> R:
             return self._call(*jax.tree_util.tree_flatten((a, k)))
 
         eager.__name__ = eager.__qualname__ = callable_name(fn).rsplit(".", 1)[-1]
@@ -140,7 +142,7 @@ class Overridden:
         """How many input signatures have a traced program in the cache now (at most 2048)."""
         return len(self._cache)
 
-    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+    def __get__(self, instance: object, owner: type | None = None) -> Callable[..., R]:
         """As a method: ``@gk.override(table)`` in a class body binds ``self`` like a plain function.
 
         ``self`` is an argument like any other: a pytree (an ``eqx.Module``,
@@ -149,7 +151,7 @@ class Overridden:
         """
         return self if instance is None else types.MethodType(self, instance)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: object, **kwargs: object) -> R:
         if nnx_state.has_graph_nodes(args, kwargs):  # Flax NNX modules: their state changes are kept, as nnx.jit
             return nnx_state.call(self, args, kwargs)
         if args and not kwargs:  # the common eager call: concrete arrays, no pytree to flatten
@@ -157,15 +159,17 @@ class Overridden:
                 if type(a) is not _ARRAY:
                     break
             else:
-                return self._eager(*args)
+                out: R = self._eager(*args)
+                return out
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
         if leaves and all(isinstance(x, jax.Array) and not isinstance(x, compat.Tracer) for x in leaves):
             # Eager call with arrays only: jax.jit's C++ fast path; its trace
             # lands in _call below, once per signature.
-            return self._eager(*args, **kwargs)
+            eager_out: R = self._eager(*args, **kwargs)
+            return eager_out
         return self._call(leaves, treedef)
 
-    def _call(self, leaves: list[Any], treedef: Any) -> Any:
+    def _call(self, leaves: list[object], treedef: jax.tree_util.PyTreeDef) -> R:
         # The hot path of every call under a trace: one key (args.call_key) per call.
         split, dyn = _args.partition_leaves(leaves, treedef, _is_array)
         key = self._key(split, dyn)
@@ -184,9 +188,10 @@ class Overridden:
         except TypeError as e:
             self._explain_forward_mode(entry, e)
             raise
-        return jax.tree_util.tree_unflatten(entry.out_tree, out)
+        result: R = jax.tree_util.tree_unflatten(entry.out_tree, out)
+        return result
 
-    def _key(self, split: _args.Split, dyn: Sequence[Any]) -> Any:
+    def _key(self, split: _args.Split, dyn: Sequence[object]) -> Hashable:
         try:
             return _args.call_key(split.key, dyn)
         except TypeError:
@@ -212,8 +217,9 @@ class Overridden:
             return
         raise GradkitError(msg) from e
 
-    def _flat_fn(self, split: _args.Split, out_box: list[Any], count: bool) -> Callable[..., Any]:
-        def flat(*dyn: Any) -> list[Any]:
+    def _flat_fn(self, split: _args.Split, out_box: list[jax.tree_util.PyTreeDef | None],
+                 count: bool) -> Callable[..., list[object]]:
+        def flat(*dyn: object) -> list[object]:
             if count:
                 with self._lock:
                     self.trace_count += 1
@@ -226,9 +232,9 @@ class Overridden:
         vars(flat).update(__wrapped__=self._fn, __signature__=inspect.signature(_dyn_signature))
         return flat
 
-    def _build(self, split: _args.Split, dyn: Sequence[Any], count: bool) -> _Entry:
+    def _build(self, split: _args.Split, dyn: Sequence[object], count: bool) -> _Entry:
         """Traces ``fn`` for this signature and splices the table's rules into its program."""
-        out_box: list[Any] = [None]
+        out_box: list[jax.tree_util.PyTreeDef | None] = [None]
         try:
             with named.pinning() as named_ops:
                 outer = compat.trace_jit(self._flat_fn(split, out_box, count), dyn)
@@ -253,9 +259,11 @@ class Overridden:
         new_body = walk.Rewrite(splicer, scoped=splicer.scoped)(body)
         if new_body is not body:
             outer = compat.replace_eqns(outer, [call.replace(params={**call.params, "jaxpr": new_body})])
-        return _Entry(outer, new_body, out_box[0], dict(splicer.matched), named_ops)
+        out_tree = out_box[0]
+        assert out_tree is not None  # set by the trace
+        return _Entry(outer, new_body, out_tree, dict(splicer.matched), named_ops)
 
-    def rewritten_jaxpr(self, *args: Any, **kwargs: Any) -> Any:
+    def rewritten_jaxpr(self, *args: object, **kwargs: object) -> compat.Jaxpr:
         """The program a call with these arguments runs, after the rewrite (for inspection).
 
         Exactly what the call would run: non-array arguments (Python numbers
@@ -276,11 +284,11 @@ class Overridden:
         return f"<gradkit.override of {callable_name(self._fn)} with {len(self._table)} rules>"
 
 
-def _dyn_signature(*dyn: Any) -> None:  # the signature JAX sees for the flat traced function
+def _dyn_signature(*dyn: object) -> None:  # the signature JAX sees for the flat traced function
     pass
 
 
-def _dyn_names(fn: Any, split: _args.Split) -> list[str]:
+def _dyn_names(fn: Callable[..., object], split: _args.Split) -> list[str]:
     """The user's names for the array leaves ``dyn[i]``: ``x``, ``params['w']``, ``batch[0]``."""
     names: dict[int, str] = {}
     try:
@@ -304,7 +312,7 @@ def _dyn_names(fn: Any, split: _args.Split) -> list[str]:
     return [names.get(i, f"argument leaf {i}") for i in split.dyn_pos]
 
 
-def _hashable(x: Any) -> bool:
+def _hashable(x: object) -> bool:
     try:
         hash(x)
     except TypeError:
@@ -312,7 +320,7 @@ def _hashable(x: Any) -> bool:
     return True
 
 
-def _check_strict(fn: Any, table: RuleTable, present: set[str]) -> None:
+def _check_strict(fn: Callable[..., object], table: RuleTable, present: set[str]) -> None:
     unmatched = sorted(n for n in table.names() - present if "::" not in n)  # scoped: _check_strict_scopes
     if not unmatched:
         return
@@ -327,7 +335,7 @@ def _check_strict(fn: Any, table: RuleTable, present: set[str]) -> None:
         + f"\nOps in the program: {', '.join(sorted(present))}. Fix the names, or drop strict=True.")
 
 
-def _check_strict_scopes(fn: Any, table: RuleTable, body: Any) -> None:
+def _check_strict_scopes(fn: Callable[..., object], table: RuleTable, body: compat.Jaxpr) -> None:
     """Raises for a scoped entry whose scope holds no equation of its op, naming the scopes the program has.
 
     A scope that holds no equation at all is one line (with its near misses
@@ -371,7 +379,8 @@ def _did_you_mean(close: Sequence[str]) -> str:
     return f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
 
 
-def _as_table(table: Any) -> RuleTable:
+def _as_table(table: object) -> RuleTable:
+
     if isinstance(table, RuleTable):
         return table
     if isinstance(table, Mapping):
@@ -425,4 +434,5 @@ def override(fn: F | RuleTable | Mapping[str, Rule], table: RuleTable | Mapping[
         return lambda f: override(f, tbl, strict=strict)
     if not callable(fn):
         raise GradkitError(f"override expects a function as its first argument, got {type(fn).__name__}.")
-    return Overridden(fn, _as_table(table), strict)
+    # The same call signature as fn (functools.update_wrapper), which a Generic[R] cannot spell.
+    return cast(F, Overridden(fn, _as_table(table), strict))

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, cast
 
 import jax
 import numpy as np
@@ -46,13 +46,30 @@ _NNX = "flax.nnx"
 _ATTR = "_gradkit_nnx"  # where an Overridden keeps its _NNXCall, made on its first call with NNX nodes
 _CREATE = threading.Lock()
 
+R = TypeVar("R")
+T = TypeVar("T")
+# What the pure function returns: the argument nodes' new state (None: unchanged) and fn's output, nodes split.
+_Pure = tuple["list[_Split] | None", object]
+
+
+class _SplitContext(Protocol):
+    """``flax.nnx.split_context``'s context (flax is not imported: the protocol says what is used)."""
+
+    def flatten(self, node: object, *, with_paths: bool) -> tuple[Hashable, list[object]]: ...
+
+
+class _MergeContext(Protocol):
+    """``flax.nnx.merge_context``'s context."""
+
+    def unflatten(self, graphdef: Hashable, leaves: list[object]) -> object: ...
+
 
 class _Split:
     """One graph node, split: its graphdef (static, part of the trace key) and its leaves (arrays)."""
 
     __slots__ = ("graphdef", "leaves")
 
-    def __init__(self, graphdef: Any, leaves: list[Any]) -> None:
+    def __init__(self, graphdef: Hashable, leaves: list[object]) -> None:
         self.graphdef = graphdef
         self.leaves = leaves
 
@@ -64,7 +81,7 @@ jax.tree_util.register_pytree_node(
 )
 
 
-def _is_split(x: Any) -> bool:
+def _is_split(x: object) -> bool:
     return type(x) is _Split
 
 
@@ -72,13 +89,13 @@ def _is_split(x: Any) -> bool:
 _PLAIN: frozenset[type] = frozenset({compat.ArrayImpl, int, float, bool, complex, str, type(None), _Split})
 
 
-def _graph_node_test(nnx: ModuleType) -> Callable[[Any], bool]:
+def _graph_node_test(nnx: ModuleType) -> Callable[[object], bool]:
     """``flax.nnx``'s own test for a graph node: a Module, Rngs, Optimizer, any ``nnx.Pytree``, a Variable."""
-    test: Callable[[Any], bool] = nnx.graph.is_graph_node
+    test: Callable[[object], bool] = nnx.graph.is_graph_node
     return test
 
 
-def has_graph_nodes(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+def has_graph_nodes(args: tuple[object, ...], kwargs: Mapping[str, object]) -> bool:
     """Whether a call's arguments hold Flax NNX graph nodes (modules, variables, ``nnx.Rngs``), at any depth.
 
     False at once when ``flax.nnx`` was never imported: flax is never
@@ -101,9 +118,9 @@ def has_graph_nodes(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
         t = type(x)
         if t in _PLAIN:
             continue
-        if t is dict:
+        if t is dict and isinstance(x, dict):
             todo.extend(x.values())
-        elif t is tuple or t is list:
+        elif (t is tuple or t is list) and isinstance(x, (tuple, list)):
             todo.extend(x)
         elif is_node(x):
             return True
@@ -114,7 +131,7 @@ def has_graph_nodes(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
     return False
 
 
-def call(overridden: Overridden, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+def call(overridden: Overridden[R], args: tuple[object, ...], kwargs: Mapping[str, object]) -> R:
     """Calls ``overridden`` on arguments holding NNX graph nodes, keeping what its function changes in them.
 
     What ``nnx.jit`` does: the caller's modules (and variables, ``nnx.Rngs``)
@@ -123,7 +140,7 @@ def call(overridden: Overridden, args: tuple[Any, ...], kwargs: Mapping[str, Any
     ``nnx.value_and_grad``, ``nnx.jit``, ``nnx.scan``... the nodes are that
     transform's own and it propagates the changes further, as for any function.
     """
-    runner = getattr(overridden, _ATTR, None)
+    runner: _NNXCall[R] | None = getattr(overridden, _ATTR, None)
     if runner is None:
         with _CREATE:
             runner = getattr(overridden, _ATTR, None)
@@ -133,10 +150,10 @@ def call(overridden: Overridden, args: tuple[Any, ...], kwargs: Mapping[str, Any
     return runner(args, kwargs)
 
 
-class _NNXCall:
+class _NNXCall(Generic[R]):
     """The NNX path of one :class:`Overridden`: split, the pure function overridden, merge back."""
 
-    def __init__(self, overridden: Overridden) -> None:
+    def __init__(self, overridden: Overridden[R]) -> None:
         nnx = sys.modules[_NNX]
         if not all(hasattr(nnx, n) for n in ("update_context", "split_context", "merge_context", "SplitContext")) \
                 or not hasattr(nnx.SplitContext, "flatten"):
@@ -151,7 +168,7 @@ class _NNXCall:
         self._fn = overridden._fn
         self._is_node = _graph_node_test(nnx)
 
-        def pure(*pure_args: Any, **pure_kwargs: Any) -> tuple[list[_Split] | None, Any]:
+        def pure(*pure_args: object, **pure_kwargs: object) -> _Pure:
             return self._inside(pure_args, pure_kwargs)
 
         name = _fname(overridden)
@@ -160,22 +177,25 @@ class _NNXCall:
         # JAX's and gradkit's messages about the trace name the user's function and its parameters.
         vars(pure).update(__wrapped__=self._fn)
         # a second Overridden over the pure function, with the same table
-        self._inner: Overridden = type(overridden)(pure, overridden.table, overridden._strict)
+        cls = cast("type[Overridden[_Pure]]", type(overridden))  # the same class, over the pure function
+        self._inner = cls(pure, overridden.table, overridden._strict)
+
         # One table, one cache of rule replacements: cache_info() of the function the user holds counts them.
         self._inner._replacements = overridden._replacements
 
     # --- (1) and (4): outside, in the caller's trace
 
-    def __call__(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+    def __call__(self, args: tuple[object, ...], kwargs: Mapping[str, object]) -> R:
         nnx = self._nnx
         before = self._inner.trace_count
-        nodes: list[Any] = []
+        nodes: list[object] = []
 
-        def split(node: Any) -> _Split:
+        def split(node: object) -> _Split:
             nodes.append(node)
             return _Split(*ctx.flatten(node, with_paths=False))
 
         with nnx.update_context(self):
+            ctx: _SplitContext
             with nnx.split_context(self) as ctx:
                 pure_args, pure_kwargs = self._map_nodes(split, (args, dict(kwargs)))
             nodes_out, out = self._inner(*pure_args, **pure_kwargs)
@@ -184,10 +204,10 @@ class _NNXCall:
             if nodes_out is not None or any(map(_is_split, jax.tree_util.tree_leaves(out, is_leaf=_is_split))):
                 self._check_writable(nodes)
             with nnx.merge_context(self, False) as mctx:
-                _, out = _merge_all(mctx, (nodes_out, out))
-        return out
+                _, merged = _merge_all(mctx, (nodes_out, out))
+        return cast(R, merged)  # fn's own output: its nodes merged back
 
-    def _check_writable(self, nodes: list[Any]) -> None:
+    def _check_writable(self, nodes: list[object]) -> None:
         """Refuses, before anything is written, when a Variable of the caller's nodes cannot be updated here.
 
         Flax checks each Variable as it writes it, after the node holding it
@@ -201,16 +221,18 @@ class _NNXCall:
 
     # --- (2) and (3): inside, while the second Overridden traces
 
-    def _inside(self, pure_args: tuple[Any, ...], pure_kwargs: dict[str, Any]) -> tuple[list[_Split] | None, Any]:
+    def _inside(self, pure_args: tuple[object, ...], pure_kwargs: dict[str, object]) -> _Pure:
         nnx = self._nnx
+        ctx: _MergeContext
         with nnx.merge_context(self, True) as ctx:
             args, kwargs = _merge_all(ctx, (pure_args, pure_kwargs))
         nodes = [x for x in jax.tree_util.tree_leaves((args, kwargs), is_leaf=self._is_node) if self._is_node(x)]
         before = self._snapshot(nodes)
         out = self._fn(*args, **kwargs)
         changed = not _same(before, self._snapshot(nodes))
+        sctx: _SplitContext
         with nnx.split_context(self) as sctx:
-            def split(node: Any) -> _Split:
+            def split(node: object) -> _Split:
                 return _Split(*sctx.flatten(node, with_paths=False))
 
             # Unchanged argument nodes are not written back (decided once per signature, at trace time):
@@ -218,30 +240,33 @@ class _NNXCall:
             # function, whose Variables belong to the trace outside it.
             return [split(n) for n in nodes] if changed else None, self._map_nodes(split, out)
 
-    def _snapshot(self, nodes: list[Any]) -> tuple[Any, list[Any]]:
+    def _snapshot(self, nodes: list[object]) -> tuple[Hashable, list[object]]:
         """The argument nodes' graphdef (structure, static attributes) and leaves: did ``fn`` change them?"""
+        ctx: _SplitContext
         with self._nnx.split_context() as ctx:  # no tag: no part in the update protocol
             graphdef, leaves = ctx.flatten(nodes, with_paths=False)
         return graphdef, leaves
 
-    def _map_nodes(self, f: Callable[[Any], Any], tree: Any) -> Any:
+    def _map_nodes(self, f: Callable[[object], object], tree: T) -> T:
         """``tree`` with each graph node ``n`` replaced by ``f(n)`` (nodes are not entered)."""
         is_node = self._is_node
-        return jax.tree_util.tree_map(lambda x: f(x) if is_node(x) else x, tree, is_leaf=is_node)
+        mapped: T = jax.tree_util.tree_map(lambda x: f(x) if is_node(x) else x, tree, is_leaf=is_node)
+        return mapped  # the same structure, nodes replaced
 
 
-def _same(a: tuple[Any, list[Any]], b: tuple[Any, list[Any]]) -> bool:
+def _same(a: tuple[Hashable, list[object]], b: tuple[Hashable, list[object]]) -> bool:
     """Same graphdef, and the very same leaf objects (an untouched Variable keeps its value object)."""
     return a[0] == b[0] and len(a[1]) == len(b[1]) and all(x is y for x, y in zip(a[1], b[1]))
 
 
-def _merge_all(ctx: Any, tree: Any) -> Any:
+def _merge_all(ctx: _MergeContext, tree: T) -> T:
     """``tree`` with each :class:`_Split` merged back into a graph node, in order, in one merge context."""
-    return jax.tree_util.tree_map(
+    merged: T = jax.tree_util.tree_map(
         lambda x: ctx.unflatten(x.graphdef, x.leaves) if _is_split(x) else x, tree, is_leaf=_is_split)
+    return merged  # the same structure, graph nodes in place of the splits
 
 
-def _trace_level_message(overridden: Overridden, variable: Any) -> str:
+def _trace_level_message(overridden: Overridden[object], variable: object) -> str:
     return (
         f"override({_fname(overridden)}): the Flax NNX state it changed cannot be written back: a "
         f"{type(variable).__name__} of a module passed to it was created outside the JAX transform this call runs "
@@ -252,5 +277,6 @@ def _trace_level_message(overridden: Overridden, variable: Any) -> str:
         "function outside them.")
 
 
-def _fname(overridden: Any) -> str:
+def _fname(overridden: object) -> str:
+
     return callable_name(getattr(overridden, "_fn", overridden))
