@@ -305,6 +305,49 @@ def test_each_composite_on_an_unmodified_flax_cnn(name):
     close(got, reference(np_cnn(), CX, one_hot(t, 3), rules()), 2e-5)
 
 
+
+
+def _nnx_cnn():
+    """The Flax CNN as a Flax NNX module with the same weights (NNX records no module path: dataflow finds it)."""
+    from flax import nnx
+
+    f32 = lambda a: jnp.asarray(a, jnp.float32)
+
+    def conv(w, b):
+        layer = nnx.Conv(w.shape[1], w.shape[0], w.shape[2:], padding=1, rngs=nnx.Rngs(0))
+        layer.kernel[...], layer.bias[...] = f32(w.transpose(2, 3, 1, 0)), f32(b)
+        return layer
+
+    def dense(w, b):
+        layer = nnx.Linear(*w.shape, rngs=nnx.Rngs(0))
+        layer.kernel[...], layer.bias[...] = f32(w), f32(b)
+        return layer
+
+    class NnxCNN(nnx.Module):
+        def __init__(self):
+            self.c1, self.c2 = conv(CW["c1"], CW["b1"]), conv(CW["c2"], CW["b2"])
+            self.d1, self.d2 = dense(CW["d1"], CW["e1"]), dense(CW["d2"], CW["e2"])
+
+        def __call__(self, x_nchw):
+            h = nn.relu(self.c1(jnp.transpose(x_nchw, (0, 2, 3, 1))))
+            h = nn.max_pool(h, (2, 2), (2, 2))
+            h = nn.relu(self.c2(h))
+            h = nn.avg_pool(h, (2, 2), (2, 2))
+            h = jnp.transpose(h, (0, 3, 1, 2)).reshape(h.shape[0], -1)
+            return self.d2(nn.relu(self.d1(h)))
+
+    return NnxCNN()
+
+
+@pytest.mark.parametrize("name", sorted(COMPOSITES))
+def test_each_composite_on_an_unmodified_nnx_cnn(name):
+    comp, rules = COMPOSITES[name]
+    model = _nnx_cnn()
+    t = np.array([0, 2])
+    with jax.numpy_dtype_promotion("standard"):  # Flax's avg_pool divides by an int
+        got = jax.jit(lambda x: A.lrp(model, x, comp, target=jnp.asarray(t)))(jnp.asarray(CX, jnp.float32))
+    close(got, reference(np_cnn(), CX, one_hot(t, 3), rules()), 2e-5)
+
 def test_composites_on_an_unmodified_equinox_mlp():
     model = eqx.nn.MLP(6, 4, 8, 2, key=jax.random.key(1))  # jax.nn.relu, biases; weights (out, in)
     ws = [np.asarray(la.weight, np.float64).T for la in model.layers]
