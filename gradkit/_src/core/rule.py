@@ -7,9 +7,13 @@ import types
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, Protocol, overload
 
+import jax
+
 from gradkit._src.errors import GradkitError, callable_name
 
 Mode = Literal["vjp", "jvp"]
+# A JVP rule's tangents as the library's rules take them: one per input, None where the input has none.
+Tangents = tuple["jax.Array | None", ...]
 
 
 class VjpFn(Protocol):
@@ -146,5 +150,9 @@ def jvp_rule(fn: JvpFn | None = None, *, name: str | None = None) -> Rule | Call
     return Rule(fn=fn, mode="jvp", name=name or "")
 
 
-def freeze_params(params: Mapping[str, Any]) -> Mapping[str, Any]:
+# A library JVP rule function: ``fn(op, tangents)`` -> the output tangent(s).
+JvpRuleFn = Callable[[OpView, Tangents], object]
+
+
+def freeze_params(params: Mapping[str, object]) -> Mapping[str, object]:
     return types.MappingProxyType(dict(params))

@@ -73,14 +73,14 @@ used as given, for every dtype.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.typing import ArrayLike, DTypeLike
 
-from gradkit._src.core.rule import OpView
+from gradkit._src.core.rule import JvpRuleFn, OpView, Tangents
 from gradkit._src.errors import GradkitError, describe
 
 DEFAULT_EPS = {64: 1e-12, 32: 1e-9}  # by the dtype's bits (see the module docstring)
@@ -88,22 +88,22 @@ DEFAULT_EPS = {64: 1e-12, 32: 1e-9}  # by the dtype's bits (see the module docst
 _HIGHEST = lax.Precision.HIGHEST
 
 
-def _mm(a: Any, b: Any) -> Any:
+def _mm(a: ArrayLike, b: ArrayLike) -> jax.Array:
     return jnp.matmul(a, b, precision=_HIGHEST)
 
 
-def _t(a: Any) -> Any:
+def _t(a: ArrayLike) -> jax.Array:
     return jnp.swapaxes(a, -1, -2)
 
 
-def effective_eps(eps: float | None, dtype: Any) -> float:
+def effective_eps(eps: float | None, dtype: DTypeLike) -> float:
     """``eps`` if given, else the dtype's default (see the module docstring)."""
     if eps is not None:
         return float(eps)
     return DEFAULT_EPS[64] if jnp.finfo(dtype).bits >= 64 else DEFAULT_EPS[32]
 
 
-def lorentzian(x: Any, scale: Any, eps: float) -> Any:
+def lorentzian(x: jax.Array, scale: ArrayLike, eps: float) -> jax.Array:
     """``x / (x^2 + eps * scale^2)``, computed in units of ``scale`` (no overflow, no underflow).
 
     ``scale`` must be positive; the result is 0 where ``x`` is 0. Differentiated
@@ -119,7 +119,7 @@ def lorentzian(x: Any, scale: Any, eps: float) -> Any:
     return xh / (xh * xh + e) / scale
 
 
-def _scale(values: Any) -> Any:
+def _scale(values: jax.Array) -> jax.Array:
     """The spectrum's scale per matrix, ``max |values|`` over the last axis (1 for a zero spectrum)."""
     if values.shape[-1] == 0:
         return jnp.ones(values.shape[:-1] + (1,), values.dtype)
@@ -131,7 +131,7 @@ def _where(label: str, op: OpView) -> str:
     return f"rule {label} for op '{op.name}' at {op.source}"
 
 
-def _check_real(label: str, op: OpView, x: Any) -> None:
+def _check_real(label: str, op: OpView, x: ArrayLike) -> None:
     if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
         raise GradkitError(
             f"{_where(label, op)}: the input is {describe(x)}; the broadened rules differentiate real "
@@ -153,10 +153,10 @@ def _check_full_subset(label: str, op: OpView, k: int, what: str) -> None:
 # --------------------------------------------------------------------------- eigh
 
 
-def eigh_jvp(eps: float | None, label: str) -> Callable[[OpView, tuple[Any, ...]], Any]:
+def eigh_jvp(eps: float | None, label: str) -> JvpRuleFn:
     """The JVP rule of the ``eigh`` primitive (outputs ``(V, w)``) with broadened ``1/(w_j - w_i)``."""
 
-    def rule(op: OpView, tangents: tuple[Any, ...]) -> Any:
+    def rule(op: OpView, tangents: Tangents) -> tuple[jax.Array, jax.Array] | None:
         (a,), (da,) = op.inputs, tangents
         _check_real(label, op, a)
         n = int(np.shape(a)[-1])
@@ -177,10 +177,10 @@ def eigh_jvp(eps: float | None, label: str) -> Callable[[OpView, tuple[Any, ...]
 # --------------------------------------------------------------------------- svd
 
 
-def svd_jvp(eps: float | None, label: str) -> Callable[[OpView, tuple[Any, ...]], Any]:
+def svd_jvp(eps: float | None, label: str) -> JvpRuleFn:
     """The JVP rule of the ``svd`` primitive (outputs ``(s, U, Vt)`` or ``(s,)``) with broadened gap factors."""
 
-    def rule(op: OpView, tangents: tuple[Any, ...]) -> Any:
+    def rule(op: OpView, tangents: Tangents) -> jax.Array | tuple[jax.Array, jax.Array, jax.Array] | None:
         (a,), (da,) = op.inputs, tangents
         _check_real(label, op, a)
         m, n = (int(d) for d in np.shape(a)[-2:])
@@ -199,7 +199,7 @@ def svd_jvp(eps: float | None, label: str) -> Callable[[OpView, tuple[Any, ...]]
                                           algorithm=op.params.get("algorithm"))
         u1, v1 = u[..., :, :k], _t(vt[..., :k, :])
         ds_mat = _mm(_mm(_t(u1), da), v1)  # dS = U1^T dA V1
-        ds = jnp.diagonal(ds_mat, axis1=-2, axis2=-1)
+        ds: jax.Array = jnp.diagonal(ds_mat, axis1=-2, axis2=-1)
         if not compute_uv:
             return ds
         e = effective_eps(eps, s.dtype)
@@ -226,5 +226,6 @@ def svd_jvp(eps: float | None, label: str) -> Callable[[OpView, tuple[Any, ...]]
     return rule
 
 
-BUILDERS: dict[str, Callable[[float | None, str], Callable[[OpView, tuple[Any, ...]], Any]]] = {
+BUILDERS: dict[str, Callable[[float | None, str], JvpRuleFn]] = {
+
     "eigh": eigh_jvp, "svd": svd_jvp}

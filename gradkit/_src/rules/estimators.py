@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from gradkit._src.errors import GradkitError, describe
+
+T = TypeVar("T")  # a pytree, returned with the same structure
 
 Array = jax.Array
 
@@ -25,7 +27,7 @@ def _as_float(x: ArrayLike) -> Array:
 # --------------------------------------------------------------------------- straight-through
 
 
-def straight_through(quantizer: Callable[..., Any]) -> Callable[..., Array]:
+def straight_through(quantizer: Callable[..., ArrayLike]) -> Callable[..., Array]:
     """Makes ``quantizer`` a straight-through estimator: its value, the identity's derivative.
 
     ``straight_through(q)(x, *args, **kwargs)`` returns exactly
@@ -55,11 +57,11 @@ def straight_through(quantizer: Callable[..., Any]) -> Callable[..., Array]:
     name = getattr(quantizer, "__name__", "quantizer")
 
     @functools.wraps(quantizer)
-    def wrapper(x: ArrayLike, *args: Any, **kwargs: Any) -> Array:
+    def wrapper(x: ArrayLike, *args: object, **kwargs: object) -> Array:
         x = _as_float(x)
 
         @jax.custom_jvp
-        def ste(x, *args):
+        def ste(x: Array, *args: object) -> Array:
             out = jnp.asarray(quantizer(x, *args, **kwargs))
             if out.shape != x.shape:
                 raise GradkitError(
@@ -69,7 +71,7 @@ def straight_through(quantizer: Callable[..., Any]) -> Callable[..., Array]:
             return out
 
         @ste.defjvp
-        def ste_jvp(primals, tangents):
+        def ste_jvp(primals: tuple[Array, ...], tangents: tuple[Array, ...]) -> tuple[Array, Array]:
             out = ste(*primals)
             t = tangents[0]
             if jnp.issubdtype(out.dtype, jnp.inexact):
@@ -84,22 +86,22 @@ def straight_through(quantizer: Callable[..., Any]) -> Callable[..., Array]:
 
 
 @jax.custom_jvp
-def _ste_identity_round(x):
+def _ste_identity_round(x: Array) -> Array:
     return jnp.round(x)
 
 
 @jax.custom_jvp
-def _ste_identity_floor(x):
+def _ste_identity_floor(x: Array) -> Array:
     return jnp.floor(x)
 
 
 @jax.custom_jvp
-def _ste_identity_ceil(x):
+def _ste_identity_ceil(x: Array) -> Array:
     return jnp.ceil(x)
 
 
 @jax.custom_jvp
-def _ste_identity_sign(x):
+def _ste_identity_sign(x: Array) -> Array:
     return jnp.sign(x)
 
 
@@ -162,15 +164,15 @@ def ste_sign(x: ArrayLike) -> Array:
 
 
 @jax.custom_vjp
-def _clip(x, lo, hi):
+def _clip(x: Array, lo: Array, hi: Array) -> Array:
     return x
 
 
-def _clip_fwd(x, lo, hi):
+def _clip_fwd(x: Array, lo: Array, hi: Array) -> tuple[Array, tuple[Array, Array]]:
     return x, (lo, hi)
 
 
-def _clip_bwd(res, g):
+def _clip_bwd(res: tuple[Array, Array], g: Array) -> tuple[Array, Array, Array]:
     lo, hi = res
     return jnp.clip(g, lo, hi).astype(g.dtype), jnp.zeros_like(lo), jnp.zeros_like(hi)
 
@@ -178,7 +180,7 @@ def _clip_bwd(res, g):
 _clip.defvjp(_clip_fwd, _clip_bwd)
 
 
-def clip_gradient(x: Any, lo: ArrayLike | None = None, hi: ArrayLike | None = None) -> Any:
+def clip_gradient(x: T, lo: ArrayLike | None = None, hi: ArrayLike | None = None) -> T:
     """Identity forward; the cotangent flowing back through ``x`` is clipped to ``[lo, hi]``.
 
     Elementwise, on every leaf of the pytree ``x``. ``None`` leaves a side
@@ -201,28 +203,29 @@ def clip_gradient(x: Any, lo: ArrayLike | None = None, hi: ArrayLike | None = No
     if lo is None and hi is None:
         raise GradkitError("clip_gradient needs at least one of `lo` and `hi`; with neither it is the identity.")
 
-    def one(leaf):
+    def one(leaf: ArrayLike) -> Array:
         leaf = _as_float(leaf)
         lo_ = jnp.asarray(-jnp.inf if lo is None else lo, leaf.dtype)
         hi_ = jnp.asarray(jnp.inf if hi is None else hi, leaf.dtype)
         return _clip(leaf, lo_, hi_)
 
-    return jax.tree_util.tree_map(one, x)
+    clipped: T = jax.tree_util.tree_map(one, x)
+    return clipped
 
 
 @jax.custom_jvp
-def _scale(x, s):
+def _scale(x: Array, s: Array) -> Array:
     return x
 
 
 @_scale.defjvp
-def _scale_jvp(primals, tangents):
+def _scale_jvp(primals: tuple[Array, Array], tangents: tuple[Array, Array]) -> tuple[Array, Array]:
     x, s = primals
     tx, _ = tangents
     return x, tx * jax.lax.stop_gradient(s)
 
 
-def scale_gradient(x: Any, scale: ArrayLike) -> Any:
+def scale_gradient(x: T, scale: ArrayLike) -> T:
     """Identity forward; the gradient through ``x`` is multiplied by ``scale``.
 
     ``scale = 0`` is ``stop_gradient``; a traced ``scale`` (an array argument
@@ -238,14 +241,15 @@ def scale_gradient(x: Any, scale: ArrayLike) -> Any:
       0.6000000238418579
     """
 
-    def one(leaf):
+    def one(leaf: ArrayLike) -> Array:
         leaf = _as_float(leaf)
         return _scale(leaf, jnp.asarray(scale, leaf.dtype))
 
-    return jax.tree_util.tree_map(one, x)
+    scaled: T = jax.tree_util.tree_map(one, x)
+    return scaled
 
 
-def reverse_gradient(x: Any, scale: ArrayLike = 1.0) -> Any:
+def reverse_gradient(x: T, scale: ArrayLike = 1.0) -> T:
     """Identity forward; the gradient is multiplied by ``-scale`` (gradient reversal, DANN).
 
     The domain-adversarial layer of Ganin & Lempitsky (2015): the feature
@@ -277,7 +281,7 @@ def dann_schedule(progress: ArrayLike, gamma: float = 10.0) -> Array:
 # --------------------------------------------------------------------------- tap
 
 
-def tap(x: Any, fn: Callable[[Any], None], *, ordered: bool = False) -> Any:
+def tap(x: T, fn: Callable[..., None], *, ordered: bool = False) -> T:
     """Identity forward; in the backward pass, ``fn(cotangent)`` runs on the host.
 
     The inspection hook JAX lacks (PyTorch's ``register_hook``): ``fn``
@@ -304,15 +308,17 @@ def tap(x: Any, fn: Callable[[Any], None], *, ordered: bool = False) -> Any:
         raise GradkitError(f"tap expects a callable `fn(cotangent)`, got {describe(fn)}.")
 
     @jax.custom_vjp
-    def ident(x):
+    def ident(x: T) -> T:
         return x
 
-    def fwd(x):
+    def fwd(x: T) -> tuple[T, None]:
         return x, None
 
-    def bwd(_, g):
+    def bwd(_: None, g: T) -> tuple[T]:
         jax.debug.callback(fn, g, ordered=ordered)
         return (g,)
 
     ident.defvjp(fwd, bwd)
-    return ident(x)
+    out: T = ident(x)
+    return out
+

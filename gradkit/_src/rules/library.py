@@ -29,7 +29,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +37,7 @@ import numpy as np
 
 from gradkit._src import stable as st
 from gradkit._src.compat import FUNCTION_PREFIX
-from gradkit._src.core.rule import OpView, Rule
+from gradkit._src.core.rule import JvpRuleFn, OpView, Rule, Tangents
 from gradkit._src.core.table import use_library
 from gradkit._src.errors import GradkitError, near_misses
 from gradkit._src.rules import broadened as broadened_rules
@@ -48,7 +48,24 @@ from gradkit._src.stable import numerics as _k
 
 # =========================================================================== op rules: one record each
 
-RuleFn = Callable[[OpView, Any], Any]
+RuleFn = JvpRuleFn
+# A library rule's parameter value (a config's number or string), and a rule's resolved parameters.
+ParamValue = float | str | None
+Params = Mapping[str, ParamValue]
+
+
+def _number(v: ParamValue) -> float:
+    """A number parameter's value (checked by :func:`_check_value`; the defaults are numbers)."""
+    if isinstance(v, str) or v is None:
+        raise GradkitError(f"internal: a number parameter is {v!r}.")
+    return v
+
+
+def _text(v: ParamValue) -> str:
+    """A string parameter's value (checked by :func:`_check_value`)."""
+    if not isinstance(v, str):
+        raise GradkitError(f"internal: a string parameter is {v!r}.")
+    return v
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,11 +130,12 @@ SAFE_FAMILY: dict[str, OpRule] = {r.op: r for r in [
 ]}
 
 
-def _body(fn: Any) -> Callable[..., Any]:
-    return getattr(fn, "__wrapped__", fn)  # a gk.op's undecorated function
+def _body(fn: Callable[..., object]) -> Callable[..., object]:
+    body: Callable[..., object] = getattr(fn, "__wrapped__", fn)  # a gk.op's undecorated function
+    return body
 
 
-def _stable(op: str, doc: str, fn: Callable[..., Any], keywords: tuple[str, ...] = (), *,
+def _stable(op: str, doc: str, fn: Callable[..., object], keywords: tuple[str, ...] = (), *,
             jax_function: bool = False, primitive: bool = False) -> OpRule:
     build = functools.partial(stable_rules.jvp_via, fn, keywords, label=f"gradkit.stable[{op}]")
     if primitive:
@@ -193,8 +211,8 @@ def ready_table(family: str, table: str) -> dict[str, Rule]:
 # =========================================================================== generic rules
 
 
-def _first_input_rule(scale_fn: Callable[[OpView, Any], Any]) -> Callable[[OpView, tuple[Any, ...]], Any]:
-    def rule(op: OpView, tangents: tuple[Any, ...]) -> Any:
+def _first_input_rule(scale_fn: Callable[[OpView, jax.Array], jax.Array]) -> RuleFn:
+    def rule(op: OpView, tangents: Tangents) -> jax.Array | None:
         t = tangents[0] if tangents else None
         if t is None:
             return None
@@ -209,26 +227,26 @@ def _first_input_rule(scale_fn: Callable[[OpView, Any], Any]) -> Callable[[OpVie
     return rule
 
 
-def _straight_through(params: Mapping[str, Any], op_name: str) -> Rule:
+def _straight_through(params: Params, op_name: str) -> Rule:
     return Rule(_first_input_rule(lambda op, t: t), mode="jvp", name="gradkit.straight_through")
 
 
-def _zero(params: Mapping[str, Any], op_name: str) -> Rule:
+def _zero(params: Params, op_name: str) -> Rule:
     return Rule(lambda op, tangents: None, mode="jvp", name="gradkit.zero")
 
 
-def _clamped(name: str, jvp: Callable[[Any, jax.Array], Any]) -> Callable[[Mapping[str, Any], str], Rule]:
+def _clamped(name: str, jvp: Callable[[jax.Array, jax.Array], jax.Array]) -> Callable[[Params, str], Rule]:
     """A JVP rule ``jvp(t, max(x, eps))``: the derivative evaluated at a clamped input."""
 
-    def factory(params: Mapping[str, Any], op_name: str) -> Rule:
+    def factory(params: Params, op_name: str) -> Rule:
         eps = params.get("eps")
 
-        def rule(op: OpView, tangents: tuple[Any, ...]) -> Any:
+        def rule(op: OpView, tangents: Tangents) -> jax.Array | None:
             x, t = op.inputs[0], tangents[0]
             if t is None:
                 return None
             dtype = jnp.result_type(x)
-            e = float(jnp.finfo(dtype).tiny) if eps is None else eps
+            e = float(jnp.finfo(dtype).tiny) if eps is None else _number(eps)
             return jvp(t, jnp.maximum(x, jnp.asarray(e, dtype)))
 
         return Rule(rule, mode="jvp", name=f"gradkit.{name}")
@@ -240,24 +258,24 @@ _clamped_log = _clamped("clamped_log", lambda t, x: t / x)
 _clamped_sqrt = _clamped("clamped_sqrt", lambda t, x: t * (0.5 / jnp.sqrt(x)))
 
 
-def _scale(params: Mapping[str, Any], op_name: str, sign: float = 1.0, name: str = "scale_gradient") -> Rule:
-    s = sign * params["scale"]
+def _scale(params: Params, op_name: str, sign: float = 1.0, name: str = "scale_gradient") -> Rule:
+    s = sign * _number(params["scale"])
 
-    def rule(op: OpView, tangents: tuple[Any, ...]) -> Any:
+    def rule(op: OpView, tangents: Tangents) -> object:
         out = default_jvp(op, tangents, f"gradkit.{name}")
         return jax.tree_util.tree_map(lambda v: v * jnp.asarray(s, jnp.result_type(v)), out)
 
     return Rule(rule, mode="jvp", name=f"gradkit.{name}")
 
 
-def _reverse(params: Mapping[str, Any], op_name: str) -> Rule:
+def _reverse(params: Params, op_name: str) -> Rule:
     return _scale({"scale": params.get("scale", 1.0)}, op_name, -1.0, "reverse_gradient")
 
 
-def _clip(params: Mapping[str, Any], op_name: str) -> Rule:
-    lo, hi = params.get("lo", -math.inf), params.get("hi", math.inf)
+def _clip(params: Params, op_name: str) -> Rule:
+    lo, hi = _number(params.get("lo", -math.inf)), _number(params.get("hi", math.inf))
 
-    def rule(op: OpView, g: Any) -> Any:
+    def rule(op: OpView, g: object) -> tuple[jax.Array | None, ...]:
         _, vjp = jax.vjp(op_function(op, "gradkit.clip_gradient"), *op.inputs)
         cts = vjp(g)
         return tuple(None if c is None or not jnp.issubdtype(c.dtype, jnp.inexact)
@@ -266,9 +284,9 @@ def _clip(params: Mapping[str, Any], op_name: str) -> Rule:
     return Rule(rule, mode="vjp", name="gradkit.clip_gradient")
 
 
-def _family_factory(family: str) -> Callable[[Mapping[str, Any], str], Rule]:
-    def factory(params: Mapping[str, Any], op_name: str) -> Rule:
-        target = params["op"]
+def _family_factory(family: str) -> Callable[[Params, str], Rule]:
+    def factory(params: Params, op_name: str) -> Rule:
+        target = _text(params["op"])
         return Rule(FAMILIES[family][target].build(), mode="jvp", name=f"gradkit.{family}[{target}]")
 
     return factory
@@ -276,7 +294,11 @@ def _family_factory(family: str) -> Callable[[Mapping[str, Any], str], Rule]:
 
 # =========================================================================== registry
 
-_REQUIRED = object()
+class _Required:
+    """The default of a required parameter."""
+
+
+_REQUIRED = _Required()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,10 +306,10 @@ class Param:
     """One parameter of a library rule."""
 
     name: str
-    kind: str  # "float" | "str"
+    kind: Literal["float", "str"]
     doc: str
-    default: Any = _REQUIRED
-    check: Callable[[Any], str | None] | None = None  # returns an error message or None
+    default: ParamValue | _Required = _REQUIRED
+    check: Callable[[float], str | None] | None = None  # a number's check: returns an error message or None
 
     @property
     def required(self) -> bool:
@@ -301,7 +323,7 @@ class LibraryRule:
     name: str
     doc: str
     params: tuple[Param, ...]
-    factory: Callable[[Mapping[str, Any], str], Rule]
+    factory: Callable[[Params, str], Rule]
     op_dependent: bool = False  # its ``op`` parameter defaults to the table entry's name (less "fn:")
 
     def signature(self) -> str:
@@ -354,10 +376,12 @@ LIBRARY: dict[str, LibraryRule] = {r.name: r for r in [
 ]}
 
 
-def _broadened(params: Mapping[str, Any], op_name: str) -> Rule:
-    target = params["op"]
+def _broadened(params: Params, op_name: str) -> Rule:
+    target = _text(params["op"])
     label = f"gradkit.broadened[{target}]"
-    return Rule(broadened_rules.BUILDERS[target](params.get("eps"), label), mode="jvp", name=label)
+    eps = params.get("eps")
+    return Rule(broadened_rules.BUILDERS[target](None if eps is None else _number(eps), label), mode="jvp",
+                name=label)
 
 
 LIBRARY["broadened"] = LibraryRule(
@@ -368,29 +392,31 @@ LIBRARY["broadened"] = LibraryRule(
            "float64, 1e-9 in float32)", default=None, check=_positive)), _broadened, op_dependent=True)
 
 
-def _check_value(rule: LibraryRule, p: Param, value: Any, where: str) -> Any:
+def _check_value(rule: LibraryRule, p: Param, value: object, where: str) -> ParamValue:
+    checked: ParamValue
     if p.kind == "float":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise GradkitError(
                 f"{where}: parameter `{p.name}` of rule '{rule.name}' must be a number, got {value!r} "
                 f"({type(value).__name__}). {rule.signature()}: {p.doc}.")
-        value = float(value)
-        if math.isnan(value):
+        checked = number = float(value)
+        if math.isnan(number):
             raise GradkitError(f"{where}: parameter `{p.name}` of rule '{rule.name}' is NaN. {rule.signature()}.")
-    elif p.kind == "str":
+    else:  # "str"
         if not isinstance(value, str):
             raise GradkitError(
                 f"{where}: parameter `{p.name}` of rule '{rule.name}' must be a string, got {value!r}. "
                 f"{rule.signature()}.")
+        checked = value
     if p.check is not None:
-        msg = p.check(value)
+        msg = p.check(_number(checked))  # the checks are of numbers
         if msg:
-            raise GradkitError(f"{where}: parameter `{p.name}` of rule '{rule.name}' {msg}, got {value!r}. "
+            raise GradkitError(f"{where}: parameter `{p.name}` of rule '{rule.name}' {msg}, got {checked!r}. "
                                f"{rule.signature()}: {p.doc}.")
-    return value
+    return checked
 
 
-def make_rule(rule_name: str, op_name: str, params: Mapping[str, Any] | None = None, *,
+def make_rule(rule_name: str, op_name: str, params: Mapping[str, object] | None = None, *,
               where: str | None = None) -> Rule:
     """Builds library rule ``rule_name`` for table entry ``op_name`` with ``params``.
 
@@ -414,7 +440,7 @@ def make_rule(rule_name: str, op_name: str, params: Mapping[str, Any] | None = N
         raise GradkitError(
             f"{where}: rule '{rule_name}' has no parameter {', '.join(f'`{u}`' for u in unknown)}. "
             f"Valid parameters: {valid}. {rule.signature()}.")
-    resolved: dict[str, Any] = {}
+    resolved: dict[str, ParamValue] = {}
     for p in rule.params:
         if p.name in params:
             resolved[p.name] = _check_value(rule, p, params[p.name], where)
@@ -423,22 +449,23 @@ def make_rule(rule_name: str, op_name: str, params: Mapping[str, Any] | None = N
         elif p.required:
             raise GradkitError(
                 f"{where}: rule '{rule_name}' needs parameter `{p.name}` ({p.doc}). {rule.signature()}.")
-        elif p.default is not None:
+        elif p.default is not None and not isinstance(p.default, _Required):
             resolved[p.name] = p.default
-    if rule_name == "clip_gradient" and resolved["lo"] > resolved["hi"]:
+    if rule_name == "clip_gradient" and _number(resolved["lo"]) > _number(resolved["hi"]):
         raise GradkitError(f"{where}: rule 'clip_gradient' needs lo <= hi, got lo={resolved['lo']}, "
                            f"hi={resolved['hi']}.")
     if rule.op_dependent:
         valid_ops = FAMILIES[rule_name]
         if resolved["op"] not in valid_ops:
-            close = near_misses(resolved["op"], valid_ops)
+            close = near_misses(_text(resolved["op"]), valid_ops)
             hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
             raise GradkitError(
                 f"{where}: rule '{rule_name}' has no entry for op {resolved['op']!r}{hint}. "
                 f"Ops it covers: {', '.join(sorted(valid_ops))}. To use one of them for another op, "
                 f"write {{rule = \"{rule_name}\", op = \"<one of these>\"}}.")
     built = rule.factory(resolved, op_name)
-    key = ("gradkit", rule_name, tuple(sorted(resolved.items())))
+    key = ("gradkit", rule_name, tuple(sorted(resolved.items(), key=lambda kv: kv[0])))  # one entry per name
+
     return dataclasses.replace(built, key=key)
 
 

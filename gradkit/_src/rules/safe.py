@@ -171,7 +171,8 @@ def _apply_scale(step: _Scale, env: dict[compat.Var, object], aval: compat.Shape
     d = jnp.broadcast_to(as_dtype(compat.read_atom(env, step.factor), dtype), shape)
     u = compat.read_atom(env, step.source)
     u = jnp.broadcast_to(u, shape) if np.shape(u) != shape else u  # a rank-0 operand
-    return compat.safe_scale(u, d, divide=step.divide)
+    scaled: jax.Array = compat.safe_scale(u, d, divide=step.divide)
+    return scaled
 
 
 def replay(prog: _Program, primals: Sequence[ArrayLike], tangents: Sequence[ArrayLike],
@@ -227,7 +228,8 @@ def safe_bind(prim: compat.Primitive, params: Mapping[str, object], inputs: Sequ
     # (inside shard_map, match_varying made even the constants traced values).
     @jax.custom_jvp
     def f(*xs: jax.Array) -> jax.Array:
-        return compat.bind_primitive(prim, list(xs), kw)[0]
+        out: jax.Array = compat.bind_primitive(prim, list(xs), kw)[0]
+        return out
 
     @f.defjvp
     def f_jvp(primals: tuple[jax.Array, ...], tangents: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:

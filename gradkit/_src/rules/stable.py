@@ -9,14 +9,14 @@ and every higher order use the stable derivative.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike, DTypeLike
 
 from gradkit._src import compat
-from gradkit._src.core.rule import OpView
+from gradkit._src.core.rule import JvpRuleFn, OpView, Tangents
 from gradkit._src.errors import GradkitError
 from gradkit._src.stable import numerics as _k
 
@@ -38,7 +38,7 @@ def _is_custom_jvp_call(op: OpView) -> bool:
     return "call_jaxpr" in op.params and "jvp_jaxpr_fun" in op.params
 
 
-def op_function(op: OpView, rule_name: str) -> Callable[..., Any]:
+def op_function(op: OpView, rule_name: str) -> Callable[..., jax.Array | tuple[jax.Array, ...]]:
     """The matched op as a function of its inputs, to get its own (JAX) derivative.
 
     Available for primitives, ``jax.jit``-ed functions matched by name and
@@ -48,7 +48,7 @@ def op_function(op: OpView, rule_name: str) -> Callable[..., Any]:
     if is_foreign_jit(op):
         closed = params["jaxpr"]
 
-        def fun(*xs: Any) -> Any:
+        def fun(*xs: jax.Array) -> jax.Array | tuple[jax.Array, ...]:
             out = compat.eval_jaxpr(closed, xs)
             return out[0] if len(out) == 1 else tuple(out)
 
@@ -61,25 +61,26 @@ def op_function(op: OpView, rule_name: str) -> Callable[..., Any]:
             "custom_jvp function, write the rule with gk.jvp_rule / gk.vjp_rule, or wrap the call site with "
             "gradkit.estimators.scale_gradient / clip_gradient instead.")
 
-    def prim_fun(*xs: Any) -> Any:
+    def prim_fun(*xs: jax.Array) -> jax.Array | tuple[jax.Array, ...]:
         out = compat.bind_primitive(prim, xs, params)
         return out[0] if len(out) == 1 else tuple(out)
 
     return prim_fun
 
 
-def _zeros_for(x: Any) -> Any:
+def _zeros_for(x: ArrayLike) -> jax.Array | np.ndarray:
     if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
         return jnp.zeros(np.shape(x), jnp.result_type(x))
     return np.zeros(np.shape(x), jax.dtypes.float0)
 
 
-def default_jvp(op: OpView, tangents: tuple[Any, ...], rule_name: str) -> Any:
+def default_jvp(op: OpView, tangents: Tangents, rule_name: str) -> jax.Array | tuple[jax.Array, ...]:
     """``jax.jvp`` of the op's own function (see :func:`op_function`)."""
     primals = tuple(op.inputs)
     ts = tuple(_zeros_for(p) if t is None else t for p, t in zip(primals, tangents))
     _, t_out = jax.jvp(op_function(op, rule_name), primals, ts)
-    return t_out
+    out: jax.Array | tuple[jax.Array, ...] = t_out  # as op_function returns
+    return out
 
 
 # The primitives' kernels, each with its output tangent alone: what the kernel's own JVP rule computes for
@@ -87,15 +88,15 @@ def default_jvp(op: OpView, tangents: tuple[Any, ...], rule_name: str) -> Any:
 # derivative is the same at every order (tests/test_stable_tangent_only.py). A rule for the primitive needs no
 # value: the matched equation computes it, and jax.jvp of the kernel would trace, lower and compile the
 # kernel's value once more per match.
-_TANGENT_ONLY: dict[Any, Callable[[Any, Any], Any]] = {
+_TANGENT_ONLY: dict[Callable[..., object], Callable[[jax.Array, jax.Array], jax.Array]] = {
     _k.sigmoid: lambda x, t: t * _k.sigmoid_prime(x),
     _k.tanh: lambda x, t: t * (4.0 * _k.sigmoid_prime(2.0 * x)),
     _k.expm1: lambda x, t: t * jnp.exp(x),
 }
 
 
-def jvp_via(body: Callable[..., Any], keywords: tuple[str, ...] = (), *,
-            label: str = "gradkit.stable") -> Callable[[OpView, tuple[Any, ...]], Any]:
+def jvp_via(body: Callable[..., object], keywords: tuple[str, ...] = (), *,
+            label: str = "gradkit.stable") -> JvpRuleFn:
     """A JVP rule that differentiates ``body(*op.inputs, **params)``, a stable function with a custom_jvp.
 
     Only float inputs are differentiated (``None`` and boolean/integer inputs
@@ -113,7 +114,7 @@ def jvp_via(body: Callable[..., Any], keywords: tuple[str, ...] = (), *,
     """
     tangent_only = _TANGENT_ONLY.get(body) if not keywords else None
 
-    def rule(op: OpView, tangents: tuple[Any, ...]) -> Any:
+    def rule(op: OpView, tangents: Tangents) -> object:
         if (keywords and is_foreign_jit(op)) or (_complex(op.inputs) and _has_own_function(op)):
             return default_jvp(op, tangents, label)
         skip = _custom_call_consts(op)
@@ -122,15 +123,16 @@ def jvp_via(body: Callable[..., Any], keywords: tuple[str, ...] = (), *,
                if x is not None and jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
         kw = {k: op.params[k] for k in keywords if k in op.params}
 
-        def f(*xs: Any) -> Any:
+        def f(*xs: jax.Array) -> object:
             args = list(inputs)
             for i, x in zip(idx, xs):
                 args[i] = x
             return body(*args, **kw)
 
         primals = tuple(_as_array(inputs[i]) for i in idx)
-        ts = tuple(jnp.zeros_like(p) if i >= len(tangents) or tangents[i] is None else
-                   _as_array(tangents[i], p.dtype) for i, p in zip(idx, primals))
+        ts = tuple(jnp.zeros_like(p) if (t := tangents[i] if i < len(tangents) else None) is None else
+                   _as_array(t, p.dtype) for i, p in zip(idx, primals))
+
         if tangent_only is not None and len(inputs) == len(primals) == 1:
             return tangent_only(primals[0], ts[0])
         try:
@@ -151,16 +153,17 @@ def _has_own_function(op: OpView) -> bool:
     return is_foreign_jit(op) or _is_custom_jvp_call(op) or compat.primitive_by_name(op.name) is not None
 
 
-def _complex(xs: Sequence[Any]) -> bool:
+def _complex(xs: Sequence[ArrayLike | None]) -> bool:
     return any(x is not None and jnp.issubdtype(jnp.result_type(x), jnp.complexfloating) for x in xs)
 
 
-def _as_array(x: Any, dtype: Any = None) -> Any:
+def _as_array(x: ArrayLike, dtype: DTypeLike | None = None) -> jax.Array:
     # No jnp.asarray on traced values: under vmap it is a device_put, which imports more of JAX.
     if isinstance(x, (jax.Array, compat.Tracer)):
         return x if dtype is None or x.dtype == dtype else jax.lax.convert_element_type(x, dtype)
     return jnp.asarray(x, dtype)
 
 
-def _describe(xs: Sequence[Any]) -> str:
+def _describe(xs: Sequence[object]) -> str:
+
     return ", ".join(f"{compat.aval_of(x).str_short()}" if x is not None else "None" for x in xs)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import jax.numpy as _jnp
+from jax.typing import DTypeLike
 
 from gradkit._src.core.table import RuleTable
 from gradkit._src.rules import library as _lib
@@ -27,7 +27,7 @@ _F32_BACKWARD_OPS = ("fn:log_softmax", "fn:logsumexp", "fn:softmax", "fn:standar
                      "tanh", "logistic", "add")
 
 
-def upcast_backward(*op_names: str, dtype: Any = _jnp.float32) -> RuleTable:
+def upcast_backward(*op_names: str, dtype: DTypeLike = _jnp.float32) -> RuleTable:
     """A table computing the named ops' derivatives in ``dtype`` (float32) for low-precision programs.
 
     Each rule upcasts the op's inputs and tangents, re-evaluates the op in

@@ -20,27 +20,29 @@ contains it (``fn:log_softmax``, ``fn:standardize``) can be upcast as a whole.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike, DTypeLike
 
 from gradkit._src import compat
 from gradkit._src.core import walk
-from gradkit._src.core.rule import OpView, Rule
+from gradkit._src.core.rule import OpView, Rule, Tangents
 from gradkit._src.errors import GradkitError
 
+A = TypeVar("A")
 _DTYPE_PARAMS = ("new_dtype", "preferred_element_type", "dtype")
 
 
-def _is_low(dtype: Any, target: np.dtype) -> bool:
+def _is_low(dtype: DTypeLike | None, target: np.dtype) -> bool:
     return (dtype is not None and jnp.issubdtype(dtype, jnp.floating)
             and jnp.finfo(dtype).bits < jnp.finfo(target).bits)
 
 
-def _up(x: Any, target: np.dtype) -> Any:
+def _up(x: A, target: np.dtype) -> A | jax.Array | np.ndarray:
     dtype = getattr(x, "dtype", None)
     if _is_low(dtype, target):
         if isinstance(x, (jax.Array, compat.Tracer)):
@@ -49,14 +51,14 @@ def _up(x: Any, target: np.dtype) -> Any:
     return x
 
 
-def _as(x: Any, dtype: Any) -> Any:
+def _as(x: ArrayLike, dtype: DTypeLike) -> jax.Array | np.ndarray:
     if isinstance(x, (jax.Array, compat.Tracer)):
         return x if x.dtype == dtype else jax.lax.convert_element_type(x, dtype)
     return np.asarray(x, dtype)
 
 
-def _params(params: Any, target: np.dtype) -> dict[str, Any]:
-    out = dict(params)
+def _params(params: Mapping[str, object], target: np.dtype) -> dict[str, object]:
+    out: dict[str, Any] = dict(params)  # JAX's equation params: a dtype param is whatever np.dtype reads
     for key in _DTYPE_PARAMS:
         v = out.get(key)
         if v is not None and not isinstance(v, (str, bool)):
@@ -69,7 +71,7 @@ def _params(params: Any, target: np.dtype) -> dict[str, Any]:
     return out
 
 
-def _body(params: Any) -> tuple[Any, int] | None:
+def _body(params: Mapping[str, object]) -> tuple[object, int] | None:
     """The program of a matched function: ``(closed jaxpr, leading inputs it does not take)``."""
     for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
         closed = params.get(key)
@@ -78,10 +80,10 @@ def _body(params: Any) -> tuple[Any, int] | None:
     return None
 
 
-def eval_upcast(closed: Any, args: Sequence[Any], target: np.dtype, where: str) -> list[Any]:
+def eval_upcast(closed: object, args: Sequence[ArrayLike], target: np.dtype, where: str) -> list[ArrayLike]:
     """Evaluates a jaxpr with every low-precision float value and dtype parameter in ``target``."""
     jaxpr, consts = compat.jaxpr_parts(closed)
-    env: dict[Any, Any] = {}
+    env: dict[compat.Var, ArrayLike] = {}
     for v, x in zip(jaxpr.constvars, consts):
         env[v] = _up(x, target)
     for v, x in zip(jaxpr.invars, args):
@@ -105,21 +107,24 @@ def eval_upcast(closed: Any, args: Sequence[Any], target: np.dtype, where: str) 
     return [compat.read_atom(env, a) for a in jaxpr.outvars]
 
 
-def upcast_rule(name: str, target: Any = jnp.float32) -> Rule:
-    """The JVP rule computing op ``name``'s derivative in ``target`` (see the module docstring)."""
-    target = np.dtype(target)
+def upcast_rule(name: str, dtype: DTypeLike = jnp.float32) -> Rule:
+    """The JVP rule computing op ``name``'s derivative in ``dtype`` (see the module docstring)."""
+    target = np.dtype(dtype)
     label = f"gradkit.upcast_backward[{name}]"
 
-    def rule(op: OpView, tangents: tuple[Any, ...]) -> Any:
+    def rule(op: OpView, tangents: Tangents) -> object:
         inputs = list(op.inputs)
         diff = [t is not None and jnp.issubdtype(jnp.result_type(x), jnp.inexact) for x, t in zip(inputs, tangents)]
         if not any(diff):
             return None
         where = f"rule {label} for op '{op.name}' at {op.source}"
         body = _body(op.params)
+        run: Callable[[Sequence[ArrayLike]], list[ArrayLike]]
         if body is not None:
-            def run(xs: Sequence[Any]) -> list[Any]:
-                return eval_upcast(body[0], xs, target, where)
+            program = body[0]
+
+            def run(xs: Sequence[ArrayLike]) -> list[ArrayLike]:
+                return eval_upcast(program, xs, target, where)
         else:
             prim = compat.primitive_by_name(op.name)
             if prim is None:
@@ -129,19 +134,19 @@ def upcast_rule(name: str, target: Any = jnp.float32) -> Rule:
                     "primitives inside it, or by the 'fn:' name of a jitted function.")
             params = _params(op.params, target)
 
-            def run(xs: Sequence[Any]) -> list[Any]:
+            def run(xs: Sequence[ArrayLike]) -> list[ArrayLike]:
                 return compat.bind_primitive(prim, [_up(x, target) for x in xs], params)
 
         idx = [i for i, d in enumerate(diff) if d]
 
-        def f(*dyn: Any) -> tuple[Any, ...]:
+        def f(*dyn: jax.Array) -> tuple[ArrayLike, ...]:
             xs = [_up(x, target) for x in inputs]
             for i, x in zip(idx, dyn):
                 xs[i] = x
             return tuple(run(xs))
 
         primals = tuple(_up(inputs[i], target) for i in idx)
-        ts = tuple(_as(tangents[i], p.dtype) for i, p in zip(idx, primals))
+        ts = tuple(_as(t, p.dtype) for i, p in zip(idx, primals) if (t := tangents[i]) is not None)  # diff: not None
         _, t_out = jax.jvp(f, primals, ts)
         cast = [t.astype(jnp.result_type(o)) if jnp.issubdtype(jnp.result_type(o), jnp.inexact) else None
                 for t, o in zip(t_out, op.outputs)]
@@ -151,7 +156,8 @@ def upcast_rule(name: str, target: Any = jnp.float32) -> Rule:
                 key=("gradkit", "upcast_backward", (("dtype", target.name), ("op", name))))
 
 
-def upcast_table(names: Sequence[str], target: Any) -> dict[str, Rule]:
+def upcast_table(names: Sequence[str], target: DTypeLike) -> dict[str, Rule]:
+
     bad = [n for n in names if not isinstance(n, str) or not n or n != n.strip()]
     if bad or not names:
         raise GradkitError(
