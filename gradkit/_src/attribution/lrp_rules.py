@@ -60,8 +60,21 @@ def _pullback(layer: Layer, x: jax.Array, w: jax.Array, c: jax.Array) -> jax.Arr
     return g
 
 
+def _constant_input(value: Any, x: jax.Array) -> jax.Array:
+    """``value`` broadcast to ``x``'s shape and dtype, behind an optimization barrier.
+
+    A layer evaluated at a constant input (ones, zbox's bounds) with constant
+    parameters (a model's closed-over weights under ``jit``) is a constant
+    expression: without the barrier XLA folds the whole convolution at compile
+    time, which takes seconds and, in the XLA of jaxlib 0.8, gives a wrong value
+    for a constant convolution followed by its bias add (jit then disagrees with
+    eager). The barrier keeps the layer a computation.
+    """
+    return jax.lax.optimization_barrier(jnp.broadcast_to(jnp.asarray(value, x.dtype), x.shape))
+
+
 def _ones_like(x: jax.Array) -> jax.Array:
-    # Behind a barrier: XLA would otherwise constant-fold a whole convolution of ones at compile time (seconds).
+    # Behind a barrier, as in _constant_input.
     return jax.lax.optimization_barrier(jnp.ones_like(x))
 
 
@@ -286,8 +299,8 @@ def zbox(low: Any, high: Any, stabilizer: float = 1e-6) -> LrpRule:
         w, b = _weight_bias(layer)
         wp, wn = _pos(w), _neg(w)
         try:
-            lo = jnp.broadcast_to(jnp.asarray(low, x.dtype), x.shape)
-            hi = jnp.broadcast_to(jnp.asarray(high, x.dtype), x.shape)
+            lo = _constant_input(low, x)
+            hi = _constant_input(high, x)
         except ValueError:
             raise GradkitError(f"attribution.zbox: low and high must broadcast to the layer's input shape "
                                f"{x.shape}; got shapes {jnp.shape(low)} and {jnp.shape(high)} (give scalars, "
