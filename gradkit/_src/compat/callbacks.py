@@ -23,14 +23,18 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
+import numpy as np
 from jax._src import callback as _cb
 from jax._src import core as _core
 from jax._src import dispatch as _dispatch
 from jax._src.interpreters import mlir as _mlir
+from jax._src.lib.mlir import ir as _ir
+from jax.core import ShapedArray
 from jax.extend.core import Primitive
+from jax.typing import ArrayLike
 
 __all__ = ["CALLBACK_LOGGER", "kept_callback", "kept_callback_p"]
 
@@ -49,13 +53,17 @@ _dispatch.prim_requires_devices_during_lowering.add(kept_callback_p)
 _RETURNS_TOKEN = "returns_token" in inspect.signature(_cb.emit_python_callback).parameters
 
 
-def _lowering(ctx: Any, *args: Any, callback: Any, sharding: Any, **params: Any) -> Any:
-    def host(*flat: Any) -> tuple[Any, ...]:
+def _lowering(ctx: _mlir.LoweringRuleContext, *args: _ir.Value, callback: _cb._FlatCallback,
+              sharding: jax.sharding.Sharding | None,
+              **params: Any) -> Sequence[_mlir.IrValues]:  # Any: pure_callback_p's params, per JAX version
+    def host(*flat: np.ndarray) -> tuple[ArrayLike, ...]:
         return tuple(_cb.pure_callback_impl(*flat, callback=callback, sharding=None, **params))
 
     op_sharding = _cb._callback_op_sharding(ctx.module_context.axis_context, sharding, ctx.avals_out)
     extra = {"returns_token": False} if _RETURNS_TOKEN else {}
-    result, _, _ = _cb.emit_python_callback(ctx, host, None, list(args), ctx.avals_in, ctx.avals_out,
+    # JAX types avals abstractly; a callback's operands and results are arrays
+    avals_in, avals_out = (cast(Sequence[ShapedArray], a) for a in (ctx.avals_in, ctx.avals_out))
+    result, _, _ = _cb.emit_python_callback(ctx, host, None, list(args), avals_in, avals_out,
                                             has_side_effect=True, sharding=op_sharding, **extra)
     return result
 
@@ -63,7 +71,7 @@ def _lowering(ctx: Any, *args: Any, callback: Any, sharding: Any, **params: Any)
 _mlir.register_lowering(kept_callback_p, _lowering)
 
 
-def kept_callback(fn: Callable[..., Any], result: jax.ShapeDtypeStruct, *args: Any) -> Any:
+def kept_callback(fn: Callable[..., ArrayLike], result: jax.ShapeDtypeStruct, *args: ArrayLike) -> jax.Array:
     """``jax.pure_callback(fn, result, *args)`` whose call XLA never removes.
 
     ``fn`` receives the arguments as arrays on the host and returns one array
@@ -72,10 +80,11 @@ def kept_callback(fn: Callable[..., Any], result: jax.ShapeDtypeStruct, *args: A
     """
     flat, in_tree = jax.tree_util.tree_flatten((args, {}))
 
-    def one(*a: Any, **kw: Any) -> Any:
+    def one(*a: np.ndarray, **kw: object) -> tuple[ArrayLike]:
         return (fn(*a, **kw),)
 
     avals = (_core.ShapedArray(result.shape, result.dtype),)
-    out: Sequence[Any] = kept_callback_p.bind(*flat, callback=_cb._FlatCallback(one, in_tree),
+    out: Sequence[jax.Array] = kept_callback_p.bind(
+*flat, callback=_cb._FlatCallback(one, in_tree),
                                               result_avals=avals, sharding=None, vmap_method=None)
     return out[0]

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import cast
 
 import jax
 from jax import lax as _lax
 from jax._src import core as _core
 from jax._src.interpreters import mlir as _mlir_src
+from jax._src.lib.mlir import ir as _ir
 from jax._src.lib.mlir.dialects import hlo as _hlo
 from jax.interpreters import ad as _ad
 from jax.interpreters import batching as _batching
 from jax.interpreters import mlir as _mlir
+from jax.typing import ArrayLike
 
-from gradkit._src.compat.jaxprs import Primitive
+from gradkit._src.compat.jaxprs import Primitive, ShapedArray
 from gradkit._src.errors import GradkitError as _GradkitError
 
 # =========================================================================== gradkit's own primitive: safe_scale
@@ -34,7 +36,7 @@ safe_scale_p: Primitive = Primitive("gradkit_safe_scale")
 OWN_PRIMITIVES: frozenset[Primitive] = frozenset({safe_scale_p})
 
 
-def safe_scale(t: Any, d: Any, *, divide: bool = False) -> Any:
+def safe_scale(t: ArrayLike, d: ArrayLike, *, divide: bool = False) -> jax.Array:
     """``t * d`` (``t / d`` with ``divide``), exactly 0 where ``t == 0``; linear in ``t``.
 
     ``t`` and ``d`` must have the same shape and dtype. Where ``t`` is 0 the
@@ -43,15 +45,16 @@ def safe_scale(t: Any, d: Any, *, divide: bool = False) -> Any:
     and ``t`` is infinite or NaN. Elsewhere it is the plain product, bit for bit.
     """
     t, d = match_varying([t, d])
-    return safe_scale_p.bind(t, d, divide=bool(divide))
+    out: jax.Array = safe_scale_p.bind(t, d, divide=bool(divide))
+    return out
 
 
-def _nonfinite(x: Any) -> Any:
+def _nonfinite(x: jax.Array) -> jax.Array:
     """``x`` is inf or NaN (real or complex: ``x - x`` is NaN exactly then)."""
     return _lax.ne(_lax.sub(x, x), _lax.full_like(x, 0))
 
 
-def _masked_operands(t: Any, d: Any, divide: bool) -> tuple[Any, Any]:
+def _masked_operands(t: jax.Array, d: jax.Array, divide: bool) -> tuple[jax.Array, jax.Array]:
     """The operands whose plain product (quotient) is the masked one.
 
     Product: ``0 * inf`` and ``inf * 0`` are both 0 (TensorFlow's
@@ -79,26 +82,27 @@ def _masked_operands(t: Any, d: Any, divide: bool) -> tuple[Any, Any]:
     return t_out, d_out
 
 
-def _safe_scale_value(t: Any, d: Any, *, divide: bool) -> Any:
+def _safe_scale_value(t: jax.Array, d: jax.Array, *, divide: bool) -> jax.Array:
     tm, dm = _masked_operands(t, d, divide)
     return _lax.div(tm, dm) if divide else _lax.mul(tm, dm)
 
 
-def _safe_scale_abstract_eval(t: Any, d: Any, *, divide: bool) -> Any:
+def _safe_scale_abstract_eval(t: ShapedArray, d: ShapedArray, *, divide: bool) -> ShapedArray:
     if t.shape != d.shape or t.dtype != d.dtype:
         raise _GradkitError(f"internal: safe_scale needs operands of one shape and dtype, got {t.str_short()} "
                             f"and {d.str_short()}; please report this with the function that triggered it.")
     return t.update(weak_type=t.weak_type and d.weak_type)  # as lax's binary operations
 
 
-def _safe_scale_jvp(primals: Sequence[Any], tangents: Sequence[Any], *, divide: bool) -> tuple[Any, Any]:
+def _safe_scale_jvp(primals: Sequence[jax.Array], tangents: Sequence[jax.Array | _ad.Zero], *,
+                    divide: bool) -> tuple[jax.Array, jax.Array | _ad.Zero]:
     t, d = primals
     dt, dd = tangents
     out = safe_scale(t, d, divide=divide)
     terms = []
-    if type(dt) is not _ad.Zero:
+    if not isinstance(dt, _ad.Zero):
         terms.append(safe_scale(dt, d, divide=divide))
-    if type(dd) is not _ad.Zero:
+    if not isinstance(dd, _ad.Zero):
         # d(t*d)/dd = t, d(t/d)/dd = -t/d^2: both 0 where t == 0, and the term is
         # selected away there, so an inf or NaN tangent of d never leaks through.
         # Masked like the value: the term is 0 where the value is masked to 0.
@@ -113,23 +117,29 @@ def _safe_scale_jvp(primals: Sequence[Any], tangents: Sequence[Any], *, divide: 
     return out, terms[0] if len(terms) == 1 else _lax.add(terms[0], terms[1])
 
 
-def _safe_scale_transpose(ct: Any, t: Any, d: Any, *, divide: bool) -> list[Any]:
+def _safe_scale_transpose(ct: jax.Array | _ad.Zero, t: _ad.UndefinedPrimal, d: jax.Array, *,
+                          divide: bool) -> list[jax.Array | _ad.Zero | None]:
     if _ad.is_undefined_primal(d) or not _ad.is_undefined_primal(t):
         raise _GradkitError("internal: safe_scale is linear in its first operand only; please report this with "
                             "the function that triggered it.")
-    if type(ct) is _ad.Zero:
+    if isinstance(ct, _ad.Zero):
         return [_ad.Zero(t.aval), None]
     return [safe_scale(ct, d, divide=divide), None]
 
 
-def _safe_scale_batch(args: Sequence[Any], dims: Sequence[Any], *, divide: bool) -> tuple[Any, Any]:
+def _safe_scale_batch(args: Sequence[jax.Array], dims: Sequence[int | None], *,
+                      divide: bool) -> tuple[jax.Array, int | None]:
     t, d = args
     bt, bd = dims
     if bt == bd:
         return safe_scale(t, d, divide=divide), bt
-    size = t.shape[bt] if bt is not None else d.shape[bd]
+    if bt is not None:
+        size = t.shape[bt]
+    else:
+        assert bd is not None  # bt != bd
+        size = d.shape[bd]
 
-    def front(x: Any, b: Any) -> Any:
+    def front(x: jax.Array, b: int | None) -> jax.Array:
         if b is None:
             return _lax.broadcast(x, (size,))
         return jax.numpy.moveaxis(x, b, 0)
@@ -142,7 +152,7 @@ def _safe_scale_batch(args: Sequence[Any], dims: Sequence[Any], *, divide: bool)
 _auto_vary = getattr(_core, "auto_insert_reshard", None) or getattr(_core, "standard_insert_pvary", None)
 
 
-def match_varying(args: Sequence[Any]) -> list[Any]:
+def match_varying(args: Sequence[ArrayLike]) -> list[ArrayLike]:
     """``args`` cast to vary over the same ``shard_map`` axes, as JAX's lax wrappers do (no-op elsewhere)."""
     if _auto_vary is None or len(args) < 2:
         return list(args)
@@ -160,7 +170,9 @@ _lower_by_tracing = _mlir.lower_fun(_safe_scale_value, multiple_results=False)
 _typed_result = getattr(_mlir_src, "lower_with_explicit_types", None) or _mlir_src.lower_with_sharding_in_types
 
 
-def _safe_scale_lowering(ctx: Any, t: Any, d: Any, *, divide: bool) -> Sequence[Any]:
+def _safe_scale_lowering(ctx: _mlir_src.LoweringRuleContext, t: _ir.Value, d: _ir.Value, *,
+                         divide: bool) -> Sequence[_ir.Value]:
+
     """StableHLO for a real ``safe_scale``: the masks of :func:`_safe_scale_value` as nested selects.
 
     Nothing is traced (``lower_fun`` traced the lax version again for every
@@ -180,7 +192,7 @@ def _safe_scale_lowering(ctx: Any, t: Any, d: Any, *, divide: bool) -> Sequence[
     fuse and compile where SAFE rules are many.
     Complex operands keep the lax version (``is_finite`` takes real values only).
     """
-    aval = ctx.avals_in[0]
+    aval = cast(ShapedArray, ctx.avals_in[0])  # JAX types avals abstractly; an array operand's is shaped
     if not jax.numpy.issubdtype(aval.dtype, jax.numpy.floating):
         return _lower_by_tracing(ctx, t, d, divide=divide)
     zero = _mlir_src.full_like_aval(ctx, 0, aval)

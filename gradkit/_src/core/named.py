@@ -19,7 +19,7 @@ import functools
 import itertools
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import jax
@@ -29,7 +29,8 @@ from gradkit._src.core import args as args_lib
 from gradkit._src.core.cache import LRU
 from gradkit._src.errors import GradkitError
 
-F = TypeVar("F", bound=Callable[..., Any])
+F = TypeVar("F", bound=Callable[..., object])
+T = TypeVar("T")
 
 _counter = itertools.count()
 _lock = threading.Lock()
@@ -50,32 +51,34 @@ class Signature:
 
     name: str
     split: args_lib.Split
-    kwargs: dict[str, Any]
-    out_tree: Any = None
+    kwargs: dict[str, object]
+    out_tree: jax.tree_util.PyTreeDef | None = None
     jit_name: str = ""
 
     @classmethod
-    def of(cls, name: str, call_args: Sequence[Any], kwargs: dict[str, Any],
-           dynamic: Callable[[Any], bool] = args_lib.array_or_number) -> tuple[Signature, list[Any]]:
+    def of(cls, name: str, call_args: Sequence[object], kwargs: Mapping[str, object],
+           dynamic: Callable[[object], bool] = args_lib.array_or_number) -> tuple[Signature, list[Any]]:
         """The signature of a call and its dynamic leaves (those where ``dynamic`` holds)."""
         split, dyn = args_lib.partition(tuple(call_args), dynamic)
         return cls(name, split, dict(kwargs)), dyn
 
     @functools.cached_property
-    def key(self) -> Any:
+    def key(self) -> Hashable:
         """Hashable cache key (:func:`args.static_key` for every static value); ``TypeError`` if unhashable."""
         kw_leaves, kw_tree = jax.tree_util.tree_flatten(self.kwargs)
         return (self.split.key, kw_tree, tuple(args_lib.static_key(x) for x in kw_leaves))
 
-    def args(self, dyn: Sequence[Any]) -> tuple[Any, ...]:
+    def args(self, dyn: Sequence[object]) -> tuple[object, ...]:
         """The positional arguments, with ``dyn`` (one value per ``jit`` input) at the dynamic leaves."""
         return tuple(self.split.combine(list(dyn)))
 
-    def outputs(self, flat: Sequence[Any]) -> Any:
+    def outputs(self, flat: Sequence[object]) -> object:
         """The structured outputs from one value per ``jit`` output."""
-        return jax.tree_util.tree_unflatten(self.out_tree, list(flat))
+        assert self.out_tree is not None, "a named op's outputs are read after it is traced"
+        structured: object = jax.tree_util.tree_unflatten(self.out_tree, list(flat))
+        return structured
 
-    def dynamic(self, per_leaf: Sequence[Any]) -> list[Any]:
+    def dynamic(self, per_leaf: Sequence[T]) -> list[T]:
         """From one value per leaf of :meth:`args` (statics included), those of the ``jit`` inputs."""
         return [per_leaf[i] for i in self.split.dyn_pos]
 
@@ -144,10 +147,10 @@ def pin(sig: Signature) -> None:
             pinned[sig.jit_name] = sig
 
 
-def compile_op(sig: Signature, body: Callable[[list[Any]], Any]) -> Callable[..., list[Any]]:
+def compile_op(sig: Signature, body: Callable[[list[jax.Array]], object]) -> Callable[..., list[jax.Array]]:
     """``jax.jit`` of ``body`` (dynamic leaves -> outputs) under ``sig``'s jit name; flat outputs."""
 
-    def flat_body(*dyn: Any) -> list[Any]:
+    def flat_body(*dyn: jax.Array) -> list[jax.Array]:
         flat, sig.out_tree = jax.tree_util.tree_flatten(body(list(dyn)))
         return flat
 
@@ -187,10 +190,10 @@ def op(name: str) -> Callable[[F], F]:
         # One signature (and jit name) per call key: static values, and the
         # dynamic leaves' whole types, so a trace's output structure belongs
         # to exactly the calls that share that trace.
-        jitted: LRU[Any, tuple[Signature, Callable[..., Any]]] = LRU(f"gk.op({name!r})")
+        jitted: LRU[Hashable, tuple[Signature, Callable[..., list[jax.Array]]]] = LRU(f"gk.op({name!r})")
 
         @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
+        def wrapper(*args: object, **kwargs: object) -> object:
             for k, v in kwargs.items():
                 if any(args_lib.is_array(x) for x in jax.tree_util.tree_leaves(v)):
                     raise GradkitError(
@@ -207,7 +210,8 @@ def op(name: str) -> Callable[[F], F]:
             if entry is None:
                 register(sig)
 
-                def call(d: Sequence[Any], sig: Any = sig) -> Any:
+                def call(d: Sequence[jax.Array], sig: Signature = sig) -> object:
+
                     return fn(*sig.args(d), **sig.kwargs)
 
                 entry = jitted.setdefault(key, (sig, compile_op(sig, call)))

@@ -17,11 +17,14 @@ jaxpr is, per JAX version, is :mod:`gradkit._src.compat`'s business.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any, cast
+from collections.abc import Callable, Hashable, Iterator, Mapping
+from typing import Any, TypeVar, cast
 
 from gradkit._src import compat
 from gradkit._src.compat import Jaxpr, JaxprEqn
+
+# A program a walk reads or rewrites: an open jaxpr or a closed one (the same class from jax 0.11 on).
+P = TypeVar("P")
 
 _LEAF_TYPES = (str, bytes, int, float, complex, bool, type(None))
 
@@ -31,7 +34,7 @@ def shaped(aval: compat.AbstractValue) -> compat.ShapedArray:
     return cast(compat.ShapedArray, aval)
 
 
-def _contains(x: Any) -> bool:
+def _contains(x: object) -> bool:
     """Whether ``x`` is or holds a jaxpr (containers only are searched)."""
     if compat.is_jaxpr(x):
         return True
@@ -42,7 +45,7 @@ def _contains(x: Any) -> bool:
     return False
 
 
-def _iter(x: Any) -> Iterator[Any]:
+def _iter(x: object) -> Iterator[object]:
     if compat.is_jaxpr(x):
         yield x
     elif isinstance(x, (tuple, list)):
@@ -53,7 +56,7 @@ def _iter(x: Any) -> Iterator[Any]:
             yield from _iter(v)
 
 
-def subprograms(params: Mapping[str, Any]) -> list[Any]:
+def subprograms(params: Mapping[str, object]) -> list[Any]:  # open or closed jaxprs, as JAX keeps them
     """Every jaxpr (open or closed) in ``params``, at any depth of tuple/list/NamedTuple/dict."""
     out: list[Any] = []
     for v in params.values():
@@ -66,7 +69,7 @@ def has_subprograms(eqn: JaxprEqn) -> bool:
     return any(not isinstance(v, _LEAF_TYPES) and _contains(v) for v in eqn.params.values())
 
 
-def _map(x: Any, fn: Callable[[Any], Any]) -> Any:
+def _map(x: object, fn: Callable[[Any], object]) -> object:
     """``x`` with ``fn`` applied to each jaxpr inside; the same object if nothing changed."""
     if compat.is_jaxpr(x):
         return fn(x)
@@ -75,7 +78,8 @@ def _map(x: Any, fn: Callable[[Any], Any]) -> Any:
         if all(a is b for a, b in zip(items, x)):
             return x
         if isinstance(x, tuple) and hasattr(type(x), "_fields"):  # NamedTuple
-            return type(x)(*items)
+            make: Callable[..., object] = type(x)
+            return make(*items)
         return type(x)(items)
     if isinstance(x, dict):
         new = {k: _map(v, fn) for k, v in x.items()}
@@ -85,9 +89,9 @@ def _map(x: Any, fn: Callable[[Any], Any]) -> Any:
     return x
 
 
-def map_subprograms(params: Mapping[str, Any], fn: Callable[[Any], Any]) -> dict[str, Any] | None:
+def map_subprograms(params: Mapping[str, object], fn: Callable[[Any], object]) -> dict[str, object] | None:
     """``params`` with ``fn`` applied to every sub-program; ``None`` if ``fn`` changed none."""
-    new: dict[str, Any] | None = None
+    new: dict[str, object] | None = None
     for k, v in params.items():
         if isinstance(v, _LEAF_TYPES):
             continue
@@ -108,7 +112,7 @@ def enters(eqn: JaxprEqn) -> bool:
     return not compat.is_custom_derivative(eqn) and not compat.is_opaque(eqn)
 
 
-def equations(jaxpr: Any, enter: Callable[[JaxprEqn], bool] = enters) -> Iterator[tuple[JaxprEqn, Jaxpr]]:
+def equations(jaxpr: object, enter: Callable[[JaxprEqn], bool] = enters) -> Iterator[tuple[JaxprEqn, Jaxpr]]:
     """Every equation of ``jaxpr`` and of the sub-programs it enters: ``(eqn, the jaxpr holding it)``.
 
     A sub-program shared by several equations (a jitted function called
@@ -117,7 +121,7 @@ def equations(jaxpr: Any, enter: Callable[[JaxprEqn], bool] = enters) -> Iterato
     return ((eqn, j) for eqn, j, _ in _visit(jaxpr, enter, scoped=False))
 
 
-def scoped_equations(jaxpr: Any, enter: Callable[[JaxprEqn], bool] = enters
+def scoped_equations(jaxpr: object, enter: Callable[[JaxprEqn], bool] = enters
                      ) -> Iterator[tuple[JaxprEqn, tuple[str, ...]]]:
     """Every equation, as :func:`equations` finds them, with its whole name-stack scopes.
 
@@ -130,11 +134,11 @@ def scoped_equations(jaxpr: Any, enter: Callable[[JaxprEqn], bool] = enters
     return ((eqn, scopes) for eqn, _, scopes in _visit(jaxpr, enter, scoped=True))
 
 
-def _visit(jaxpr: Any, enter: Callable[[JaxprEqn], bool], scoped: bool
+def _visit(jaxpr: object, enter: Callable[[JaxprEqn], bool], scoped: bool
            ) -> Iterator[tuple[JaxprEqn, Jaxpr, tuple[str, ...]]]:
     """``(eqn, the jaxpr holding it, its scopes)``; the scopes are read only when ``scoped`` (else ``()``)."""
     seen: set[tuple[int, tuple[str, ...]]] = set()
-    stack: list[tuple[Any, tuple[str, ...]]] = [(compat.jaxpr_parts(jaxpr)[0], ())]
+    stack: list[tuple[Jaxpr, tuple[str, ...]]] = [(compat.jaxpr_parts(jaxpr)[0], ())]
     while stack:
         j, outer = stack.pop()
         if (id(j), outer) in seen:
@@ -167,16 +171,16 @@ class Rewrite:
         self._replace = replace
         self._enter = enter
         self._scoped = scoped
-        self._memo: dict[Any, tuple[Any, Any]] = {}
+        self._memo: dict[Hashable, tuple[object, object]] = {}
 
-    def __call__(self, jaxpr: Any) -> Any:
+    def __call__(self, jaxpr: P) -> P:
         return self._rewrite(jaxpr, ())
 
-    def _rewrite(self, jaxpr: Any, outer: tuple[str, ...]) -> Any:
-        memo_key = (id(jaxpr), outer) if self._scoped else id(jaxpr)
+    def _rewrite(self, jaxpr: P, outer: tuple[str, ...]) -> P:
+        memo_key: Hashable = (id(jaxpr), outer) if self._scoped else id(jaxpr)
         hit = self._memo.get(memo_key)
         if hit is not None and hit[0] is jaxpr:
-            return hit[1]
+            return cast(P, hit[1])  # this very jaxpr's rewrite: the same kind
         core, _ = compat.jaxpr_parts(jaxpr)
         eqns: list[JaxprEqn] = []
         changed = False
@@ -195,6 +199,7 @@ class Rewrite:
                     eqn = eqn.replace(params=params)
                     changed = True
             eqns.append(eqn)
-        result = compat.replace_eqns(jaxpr, eqns) if changed else jaxpr
+        result: P = compat.replace_eqns(jaxpr, eqns) if changed else jaxpr  # the same kind, open or closed
         self._memo[memo_key] = (jaxpr, result)
         return result
+
