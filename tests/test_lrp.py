@@ -5,7 +5,8 @@
   rules' formulas written out on those matrices;
 * conservation where a rule promises it;
 * every composite on the plain-JAX CNN (against NumPy), the same CNN as an
-  unmodified Flax linen module (NHWC), an unmodified Equinox MLP;
+  unmodified Flax linen module (NHWC), Flax NNX module and Equinox CNN (vmapped; eqx.nn.AvgPool2d xfails: a
+  known gradkit bug), an unmodified Equinox MLP;
 * jit, vmap, the target forms, bad composites.
 """
 
@@ -347,6 +348,65 @@ def test_each_composite_on_an_unmodified_nnx_cnn(name):
     with jax.numpy_dtype_promotion("standard"):  # Flax's avg_pool divides by an int
         got = jax.jit(lambda x: A.lrp(model, x, comp, target=jnp.asarray(t)))(jnp.asarray(CX, jnp.float32))
     close(got, reference(np_cnn(), CX, one_hot(t, 3), rules()), 2e-5)
+
+
+def _eqx_cnn(avg_pool="eqx"):
+    """The CNN as unmodified Equinox layers on one CHW image (jax.vmap over the batch), with CW's weights.
+
+    ``avg_pool="eqx"``: ``eqx.nn.AvgPool2d``; ``"lax"``: the same pooling written as ``reduce_window(add) / 4``.
+    """
+    f32 = lambda a: jnp.asarray(a, jnp.float32)
+    key = jax.random.key(0)
+
+    class EqxCNN(eqx.Module):
+        c1: eqx.nn.Conv2d
+        c2: eqx.nn.Conv2d
+        d1: eqx.nn.Linear
+        d2: eqx.nn.Linear
+        max_pool: eqx.nn.MaxPool2d
+        avg_pool: eqx.nn.AvgPool2d
+
+        def __init__(self):
+            self.c1, self.c2 = eqx.nn.Conv2d(2, 3, 3, padding=1, key=key), eqx.nn.Conv2d(3, 4, 3, padding=1, key=key)
+            self.d1, self.d2 = eqx.nn.Linear(16, 5, key=key), eqx.nn.Linear(5, 3, key=key)
+            self.max_pool, self.avg_pool = eqx.nn.MaxPool2d(2, 2), eqx.nn.AvgPool2d(2, 2)
+
+        def __call__(self, x_chw):
+            h = self.max_pool(jax.nn.relu(self.c1(x_chw)))
+            h = jax.nn.relu(self.c2(h))
+            if avg_pool == "eqx":
+                h = self.avg_pool(h)
+            else:
+                h = jax.lax.reduce_window(h, 0.0, jax.lax.add, (1, 2, 2), (1, 2, 2), "VALID") / 4.0
+            return self.d2(jax.nn.relu(self.d1(h.reshape(-1))))  # CHW flatten: jax_cnn's NCHW order
+
+    model = EqxCNN()
+    # Equinox's conv weight is OIHW like CW's, its bias (O, 1, 1); its Linear weight is (out, in).
+    where = lambda m: (m.c1.weight, m.c1.bias, m.c2.weight, m.c2.bias, m.d1.weight, m.d1.bias, m.d2.weight, m.d2.bias)
+    return eqx.tree_at(where, model, (f32(CW["c1"]), f32(CW["b1"][:, None, None]), f32(CW["c2"]),
+                                      f32(CW["b2"][:, None, None]), f32(CW["d1"].T), f32(CW["e1"]),
+                                      f32(CW["d2"].T), f32(CW["e2"])))
+
+
+# eqx.nn.AvgPool2d traces as reduce_window_sum -> squeeze -> transpose -> div 4: compat/layers.py takes the avg_pool
+# unit to be the sum alone (the division must follow the sum directly), so the Norm rule sees the sum and the
+# division keeps its gradient: every relevance below it comes out 1/4 of Zennit's.
+_EQX_AVG_POOL_BUG = pytest.mark.xfail(strict=True, reason="gradkit bug: avg_pool unit misses the division after "
+                                                          "layout ops (eqx.nn.AvgPool2d); relevance off by 1/4")
+
+
+@pytest.mark.parametrize("avg_pool", [pytest.param("eqx", marks=_EQX_AVG_POOL_BUG), "lax"])
+@pytest.mark.parametrize("name", sorted(COMPOSITES))
+def test_each_composite_on_an_unmodified_equinox_cnn(name, avg_pool):
+    comp, rules = COMPOSITES[name]
+    model = _eqx_cnn(avg_pool)
+    x = jnp.asarray(CX, jnp.float32)
+    np.testing.assert_allclose(np.asarray(jax.vmap(model)(x)), np.asarray(jax_cnn(jnp.asarray(CX)), np.float32),
+                               rtol=1e-5, atol=1e-5)  # the same network
+    t = np.array([1, 0])
+    got = jax.jit(lambda x: A.lrp(jax.vmap(model), x, comp, target=jnp.asarray(t)))(x)
+    close(got, reference(np_cnn(), CX, one_hot(t, 3), rules()), 2e-5)
+
 
 def test_composites_on_an_unmodified_equinox_mlp():
     model = eqx.nn.MLP(6, 4, 8, 2, key=jax.random.key(1))  # jax.nn.relu, biases; weights (out, in)
