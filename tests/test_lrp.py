@@ -126,6 +126,8 @@ def np_lrp(layers, x, cot, rules):
             h = h @ M(w) + b
         elif kind == "relu":
             h = np.maximum(h, 0)
+        elif kind == "act":
+            h = layer[1](h)
         elif kind == "avg":
             h = h @ layer[1]
         elif kind == "max":
@@ -530,3 +532,43 @@ def test_layers_are_found_by_dataflow_in_any_spelling(x64):
     r1 = np_rule("epsilon", eps=0.01)(h, lambda w: w, MW[1], np.zeros(8), one_hot(np.zeros(3, int), 8))
     want = np_rule("epsilon", eps=0.01)(MX, lambda w: w, MW[0], MB[0], r1)
     close(got, want, 1e-9)
+
+
+_erf = np.vectorize(__import__("math").erf)
+ACTIVATIONS = {  # the model's activation, and NumPy's
+    "silu": (jax.nn.silu, lambda h: h / (1 + np.exp(-h))),
+    "gelu_tanh": (jax.nn.gelu, lambda h: 0.5 * h * (1 + np.tanh(np.sqrt(2 / np.pi) * (h + 0.044715 * h ** 3)))),
+    "gelu_erf": (lambda h: jax.nn.gelu(h, approximate=False), lambda h: 0.5 * h * (1 + _erf(h / np.sqrt(2)))),
+    "tanh": (jnp.tanh, np.tanh),
+}
+
+
+@pytest.mark.parametrize("act", sorted(ACTIVATIONS))
+def test_plain_function_activations_pass_relevance_through(act, x64):
+    """An MLP with silu / gelu (JAX inlines gelu: no jit or custom_jvp names it) / tanh between its layers: under
+    every composite the activation passes relevance through (Zennit's Pass), so only the dense rules act."""
+    f, np_f = ACTIVATIONS[act]
+
+    def net(x):
+        h = x
+        for i, (w, b) in enumerate(zip(MW, MB)):
+            h = h @ jnp.asarray(w) + jnp.asarray(b)[None]
+            if i < len(MW) - 1:
+                h = f(h)
+        return h
+
+    layers = []
+    for i, (w, b) in enumerate(zip(MW, MB)):
+        layers.append(("lin", lambda w: w, w, b))
+        if i < len(MW) - 1:
+            layers.append(("act", np_f))
+    x, t = jnp.asarray(MX), np.array([2, 0, 3])
+    eps = np_rule("epsilon", eps=1e-6)
+    for comp, rules in ((A.EPSILON_PLUS_FLAT, [np_rule("flat"), eps, eps]),
+                        ({"dense": A.gamma(0.25), "activation": A.pass_through()}, [np_rule("gamma", gamma=0.25)] * 3)):
+        got = jax.jit(lambda x, comp=comp: A.lrp(net, x, comp, target=jnp.asarray(t)))(x)
+        close(got, reference(layers, MX, one_hot(t, 4), rules), 1e-9)
+        # and inside a jitted helper, on one example at a time (vmap outside lrp)
+        one = jax.vmap(lambda v, ti, comp=comp: A.lrp(jax.jit(lambda u: net(u[None])[0]), v, comp, target=ti))(
+            x, jnp.asarray(t))
+        close(one, got, 1e-9)

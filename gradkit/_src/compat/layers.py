@@ -15,8 +15,10 @@ Kinds (:attr:`Layer.kind`):
   constant (Flax's ``avg_pool``, ``reduce_window(add) / n``);
 * ``"max_pool"``: a ``reduce_window_max``;
 * ``"activation"``: an element-wise nonlinearity: a ``jax.nn`` activation
-  function (``relu``, ``gelu``, …, by the name its ``custom_jvp``/``jit``
-  carries), ``tanh``, ``logistic``, or ``max(x, c)`` with a literal ``c``.
+  function (``relu``, ``silu``, …, by the name its ``custom_jvp``/``jit``
+  carries; ``gelu``, which JAX inlines, as the run of equations its
+  ``jax.nn`` function made), ``tanh``, ``logistic``, or ``max(x, c)`` with a
+  literal ``c``.
 
 ``jit`` calls that are not activations are entered (a layer inside a jitted
 helper is found); other higher-order primitives (``scan``, ``cond``,
@@ -54,6 +56,9 @@ ACTIVATION_FUNCTIONS = frozenset({
     "hard_tanh", "hard_sigmoid", "hard_silu", "hard_swish", "soft_sign", "mish", "squareplus", "sparse_plus",
     "tanh", "log_sigmoid",
 })
+#: ``jax.nn`` activations JAX inlines (no ``jit`` or ``custom_jvp`` names them): the run of equations made inside
+#: the function (by their traceback) is one activation.
+_INLINED_ACTIVATIONS = frozenset({"gelu"})
 _LINEAR = {"dot_general": "dense", "conv_general_dilated": "conv"}
 _LAYOUT = frozenset({"transpose", "reshape", "squeeze", "expand_dims", "convert_element_type", "copy", "copy_p"})
 _ELEMENTWISE_ACTIVATIONS = frozenset({"tanh", "logistic"})
@@ -111,13 +116,17 @@ class _Program:
         self.units: dict[int, tuple[str, int, list[int], int | None]] = {}  # last eqn -> (kind, head, chain, add)
         self.deferred: set[int] = set()
         self.activations: set[int] = set()
+        self.regions: dict[int, tuple[int, Any, str]] = {}  # last eqn -> (first eqn, input, name): inlined activations
+        self._find_inlined_activations(users, outs)
 
-        def only_user(v: Any) -> int | None:
+        in_region = {k for last, (first, _, _) in self.regions.items() for k in range(first, last + 1)}
+
+        def only_user(v: Any) -> int | None:  # a layer unit does not reach into an inlined activation
             u = users.get(v, [])
-            return u[0] if len(u) == 1 and v not in outs else None
+            return u[0] if len(u) == 1 and v not in outs and u[0] not in in_region else None
 
         for i, eqn in enumerate(self.eqns):
-            if i in self.deferred:
+            if i in self.deferred or i in self.regions:
                 continue
             prim = eqn.primitive.name
             dyn = [k for k, a in enumerate(eqn.invars) if _is_varying(a, self.varying)]
@@ -158,6 +167,39 @@ class _Program:
                 self.units[i] = ("max_pool", i, [], None)
             elif len(dyn) == 1 and len(eqn.outvars) == 1 and _is_activation(eqn, dyn[0]):
                 self.activations.add(i)
+
+
+    def _find_inlined_activations(self, users: dict[Any, list[int]], outs: set[Any]) -> None:
+        tags = [_inlined_activation(eqn) for eqn in self.eqns]
+        i = 0
+        while i < len(self.eqns):
+            if tags[i] is None:
+                i += 1
+                continue
+            j = i
+            while j + 1 < len(self.eqns) and tags[j + 1] == tags[i]:
+                j += 1
+            run = range(i, j + 1)
+            defined = {v for k in run for v in self.eqns[k].outvars}
+            ins = {a for k in run for a in self.eqns[k].invars if not is_literal(a) and a not in defined}
+            dyn = [a for a in ins if a in self.varying]
+            out = self.eqns[j].outvars[0]
+            used_after = {v for v in defined if v in outs or any(u > j for u in users.get(v, []))}
+            if (len(dyn) == 1 and used_after == {out} and len(self.eqns[j].outvars) == 1
+                    and getattr(out.aval, "shape", None) == getattr(dyn[0].aval, "shape", None)):
+                self.regions[j] = (i, dyn[0], str(tags[i]))
+                self.deferred.update(range(i, j))
+            i = j + 1
+
+
+def _inlined_activation(eqn: JaxprEqn) -> str | None:
+    tb = eqn.source_info.traceback
+    frames: Sequence[Any] = tb.frames if tb is not None else ()
+    for frame in frames:
+        if (frame.function_name in _INLINED_ACTIVATIONS
+                and frame.file_name.replace("\\", "/").endswith("jax/_src/nn/functions.py")):
+            return str(frame.function_name)
+    return None
 
 
 def _is_activation(eqn: JaxprEqn, k: int) -> bool:
@@ -211,6 +253,9 @@ class _Runner:
             if i in prog.deferred:
                 continue
             ins_nonneg = [not is_literal(a) and a in pos for a in eqn.invars]
+            if i in prog.regions:
+                env[eqn.outvars[0]] = self._region(prog, i, read, pos)
+                continue
             if i in prog.units:
                 kind, head, chain, last = prog.units[i]
                 out, nn = self._unit(prog, kind, head, chain, last, read, pos)
@@ -288,6 +333,24 @@ class _Runner:
             return bind(eqn, [xv])[0]
 
         return self.handle(self._layer(kind, eqn, (), apply_one, nonneg), x), nonneg
+
+    def _region(self, prog: _Program, last: int, read: Callable[[Any], Any], pos: set[Any]) -> Any:
+        first, x_var, name = prog.regions[last]
+        eqns = prog.eqns[first:last + 1]
+        defined = {v for e in eqns for v in e.outvars}
+        consts = {a: read(a) for e in eqns for a in e.invars if not is_literal(a) and a not in defined}
+
+        def apply(xv: Any) -> Any:
+            local = dict(consts)
+            local[x_var] = xv
+            for e in eqns:
+                local.update(zip(e.outvars, bind(e, [read_atom(local, a) for a in e.invars])))
+            return local[eqns[-1].outvars[0]]
+
+        layer = Layer(kind="activation", name="fn:" + name, index=self.count, params=(), apply=apply,
+                      source=source_line(eqns[0]), nonnegative_input=x_var in pos)
+        self.count += 1
+        return self.handle(layer, consts[x_var])
 
     def _activation(self, eqn: JaxprEqn, k: int, invals: list[Any], nonneg: bool) -> Any:
         consts = list(invals)
