@@ -78,22 +78,31 @@ accuracy = float(jnp.mean(jnp.argmax(model(params, x_test), -1) == y_test))
 print(f"loss {float(value):.3f}, test accuracy {accuracy:.2f}")
 
 # %% [markdown]
-# Four maps of the same images, each for the model's own top class (the
+# Six maps of the same images, each for the model's own top class (the
 # default `target`; a class, one per row, or an output cotangent also work).
-# Each call is one `jax.vjp` of the model; all four run under `jit`.
+# The last two are Layer-wise Relevance Propagation (`gk.attribution.lrp`),
+# which finds the model's conv and dense layers in its traced program and
+# passes the output back layer by layer with Zennit's rules: `EPSILON_PLUS_FLAT`
+# (flat for the first layer, z⁺ for convs, ε for dense) and
+# `EPSILON_GAMMA_BOX` (z^B with the pixel range as the box for the first conv,
+# γ for the others). Each call is one `jax.vjp` of the model; all six run
+# under `jit`.
 
 # %%
 f = lambda x: model(params, x)
+low, high = float(x_test.min()), float(x_test.max())  # the box of the z^B rule
 methods = {
     "gradient": gk.attribution.gradient,
     "gradient × input": gk.attribution.gradient_x_input,
     "Guided Backprop": gk.attribution.guided_backprop,
     "DeconvNet": gk.attribution.deconvnet,
+    "LRP ε-z⁺-flat": lambda f, x: gk.attribution.lrp(f, x, gk.attribution.EPSILON_PLUS_FLAT),
+    "LRP ε-γ-box": lambda f, x: gk.attribution.lrp(f, x, gk.attribution.EPSILON_GAMMA_BOX(low, high)),
 }
 maps = {name: np.asarray(jax.jit(lambda x, m=m: m(f, x))(x_test))[..., 0] for name, m in methods.items()}
 
 shown = [int(np.flatnonzero(np.asarray(y_test) == c)[0]) for c in range(4)]
-fig, axes = plt.subplots(4, 5, figsize=(10, 8))
+fig, axes = plt.subplots(4, 7, figsize=(14, 8))
 for row, i in enumerate(shown):
     axes[row, 0].imshow(np.asarray(x_test[i, ..., 0]), cmap="gray")
     axes[row, 0].set_ylabel(SHAPES[int(y_test[i])])
@@ -115,7 +124,9 @@ plt.show()
 # 5 to 16 of the 144 pixels, so a map spread evenly would score 0.03 to 0.11;
 # here the input-weighted and the guided maps concentrate on the shape, the
 # plain gradient and DeconvNet (which ignores where each ReLU was active) much
-# less.
+# less. Of the two LRP maps, the flat rule spreads the first layer's relevance
+# evenly over each 3×3 window, blurring it off the shape; the box rule weighs
+# it by the pixels' values and keeps more of it on the shape.
 
 # %%
 for name, m in maps.items():
