@@ -55,7 +55,7 @@ _RETURNS_TOKEN = "returns_token" in inspect.signature(_cb.emit_python_callback).
 
 def _lowering(ctx: _mlir.LoweringRuleContext, *args: _ir.Value, callback: _cb._FlatCallback,
               sharding: jax.sharding.Sharding | None,
-              **params: Any) -> Sequence[_mlir.IrValues]:  # Any: pure_callback_p's params, per JAX version
+              **params: Any) -> Sequence[_mlir.IrValues]:  # pure_callback_p's params, which differ per JAX version
     def host(*flat: np.ndarray) -> tuple[ArrayLike, ...]:
         return tuple(_cb.pure_callback_impl(*flat, callback=callback, sharding=None, **params))
 

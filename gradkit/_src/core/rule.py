@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any, Literal, Protocol, overload
 
 import jax
@@ -23,7 +23,7 @@ class VjpFn(Protocol):
     tuple with one entry per input (``None`` for "no gradient").
     """
 
-    def __call__(self, op: OpView, g: Any, /) -> Any: ...
+    def __call__(self, op: OpView, g: Any, /) -> object: ...
 
 
 class JvpFn(Protocol):
@@ -32,7 +32,7 @@ class JvpFn(Protocol):
     It must be linear in the tangents; reverse mode is its transpose.
     """
 
-    def __call__(self, op: OpView, tangents: tuple[Any, ...], /) -> Any: ...
+    def __call__(self, op: OpView, tangents: tuple[Any, ...], /) -> object: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +76,7 @@ class Rule:
     fn: VjpFn | JvpFn
     mode: Mode = "vjp"
     name: str = ""
-    key: tuple[Any, ...] = ()
+    key: tuple[Hashable, ...] = ()
 
     def __post_init__(self) -> None:
         if not callable(self.fn):
@@ -91,7 +91,7 @@ class Rule:
         if not self.key:
             object.__setattr__(self, "key", ("fn", callable_name(self.fn, module=True), id(self.fn)))
 
-    def __call__(self, op: OpView, x: Any) -> Any:
+    def __call__(self, op: OpView, x: Any) -> object:
         return self.fn(op, x)
 
 

@@ -213,9 +213,10 @@ class Splicer:
                 return None
             key, rule = hit
         else:
-            key, rule = name, self.table.get(name)
-            if rule is None:
+            plain = self.table.get(name)
+            if plain is None:
                 return None
+            key, rule = name, plain
         if key not in self.matched:
             self.matched[key] = compat.source_line(eqn)
         # A library rule may know that, on this equation, it is JAX's own derivative bit for bit (SAFE's

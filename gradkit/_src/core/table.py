@@ -20,7 +20,7 @@ import hashlib
 import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TypeVar, overload
 
 from gradkit._src.core import scope as _scope
 from gradkit._src.core.rule import Rule
@@ -33,6 +33,8 @@ else:  # pragma: no cover - Python 3.10: the `tomli` dependency
         import tomli as _toml
     except ModuleNotFoundError:
         _toml = None
+
+T = TypeVar("T")
 
 
 class RuleTable(Mapping[str, Rule]):
@@ -64,7 +66,7 @@ class RuleTable(Mapping[str, Rule]):
 
     __slots__ = ("_rules", "_fingerprint", "_scoped")
 
-    def __init__(self, rules: Mapping[str, Any] | None = None, *, source: str | None = None):
+    def __init__(self, rules: Mapping[str, object] | None = None, *, source: str | None = None):
         rules = {} if rules is None else rules
         if not isinstance(rules, Mapping):
             raise GradkitError(
@@ -100,7 +102,12 @@ class RuleTable(Mapping[str, Rule]):
     def __getitem__(self, name: str) -> Rule:
         return self._rules[name]
 
-    def get(self, name: str, default: Any = None) -> Any:  # hot path: no Mapping mixin overhead
+    @overload
+    def get(self, name: str) -> Rule | None: ...
+    @overload
+    def get(self, name: str, default: T) -> Rule | T: ...
+
+    def get(self, name: str, default: object = None) -> object:  # hot path: no Mapping mixin overhead
         return self._rules.get(name, default)
 
     def __contains__(self, name: object) -> bool:
@@ -293,7 +300,7 @@ class RuleTable(Mapping[str, Rule]):
         return self._fingerprint
 
     @classmethod
-    def from_dict(cls, config: Mapping[str, Any], *, source: str = "config") -> RuleTable:
+    def from_dict(cls, config: Mapping[str, object], *, source: str = "config") -> RuleTable:
         """Builds a table from a declarative config naming library rules.
 
         Each entry maps an op name to a library rule name, or to a dict with
@@ -361,13 +368,13 @@ def use_library(names: Mapping[str, object], make: Callable[..., Rule]) -> None:
     _Library.names, _Library.make = names, make
 
 
-def _make(rule_name: Any, op_name: str, params: Mapping[str, Any], where: str) -> Rule:
+def _make(rule_name: object, op_name: str, params: Mapping[str, object], where: str) -> Rule:
     if _Library.make is None:  # pragma: no cover - gradkit/__init__ imports the library
         raise GradkitError(f"{where}: the rule library is not loaded; `import gradkit` before naming library rules.")
     return _Library.make(rule_name, op_name, params, where=where)
 
 
-def _library_entry(op_name: str, entry: Any, source: str | None, key: str | None = None) -> Rule:
+def _library_entry(op_name: str, entry: object, source: str | None, key: str | None = None) -> Rule:
     """The library rule an entry names: ``"safe"`` or ``{"rule": "clamped_log", "eps": 1e-30}``."""
     key = key or op_name
     where = f"{source}: entry '{key}'" if source else f"table entry '{key}'"
@@ -395,13 +402,13 @@ def _library_entry(op_name: str, entry: Any, source: str | None, key: str | None
         "gk.jvp_rule, a library rule name (\"safe\"), or {\"rule\": \"<name>\", <param>: <value>}.")
 
 
-def _load_toml(text: str, path: str) -> Mapping[str, Any]:
+def _load_toml(text: str, path: str) -> Mapping[str, object]:
     if _toml is None:  # pragma: no cover - Python 3.10 without tomli
         raise GradkitError(
             f"reading {path}: TOML needs Python 3.11+ (tomllib) or the `tomli` package on Python 3.10. "
             "Install it with `pip install tomli`, or pass a dict to gk.RuleTable.from_dict.")
     try:
-        data: dict[str, Any] = _toml.loads(text)
+        data: dict[str, object] = _toml.loads(text)
         return data
     except _toml.TOMLDecodeError as e:
         raise GradkitError(f"{path} is not valid TOML: {e}.") from None

@@ -128,7 +128,7 @@ def describe(table: Mapping[str, object]) -> dict[str, str]:
     out = {}
     for name, rule in table.items():
         key = rule.key
-        if len(key) == 3 and key[0] == "gradkit" and key[1] in _lib.LIBRARY:
+        if len(key) == 3 and key[0] == "gradkit" and key[1] in _lib.LIBRARY and isinstance(key[2], tuple):
             params = dict(key[2])
             family = _lib.FAMILIES.get(key[1])
             if family is not None and params.get("op") in family:
