@@ -172,3 +172,28 @@ def test_masked_singularity_still_zero_with_constant_scales():
     h = jax.jit(jax.hessian(ours))(x)
     assert np.all(np.isfinite(np.asarray(h)))
     np.testing.assert_array_equal(np.asarray(h)[0], np.zeros(3, np.float32))
+
+
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
+def test_programs_with_prng_keys_are_unchanged(impl):
+    """Constant tracking reads every equation's output type: a typed PRNG key (``key<fry>``) is no NumPy dtype.
+
+    Keys made, split, folded and used inside the program, and keys passed in, under SAFE | STABLE: the value and
+    the gradient are plain JAX's, bit for bit (the Flax NNX dropout case that first broke).
+    """
+    def loss(x, key):
+        k1, k2 = jax.random.split(jax.random.fold_in(key, 3))
+        keep = jax.random.bernoulli(k1, 0.75, x.shape)
+        noise = jax.random.normal(k2, x.shape, x.dtype) * 0.5
+        inner = jax.random.key(7, impl=impl)  # a key made from a literal: a constant of the program
+        shift = jax.random.uniform(inner, x.shape, x.dtype)
+        return jnp.sum(jnp.where(keep, jnp.sqrt(x * x + 1.0) * noise, 0.0) / 0.75 + shift * x)
+
+    x = jnp.linspace(-1.0, 2.0, 16, dtype=jnp.float32)
+    key = jax.random.key(0, impl=impl)
+    ours = gk.override(loss, gk.tables.SAFE | gk.tables.STABLE)
+    v0, g0 = jax.jit(jax.value_and_grad(loss))(x, key)  # an overridden function runs compiled, as jax.jit's
+    for wrap in (lambda f: f, jax.jit):
+        v1, g1 = wrap(jax.value_and_grad(ours))(x, key)
+        np.testing.assert_array_equal(np.asarray(v1), np.asarray(v0))
+        np.testing.assert_array_equal(np.asarray(g1), np.asarray(g0))

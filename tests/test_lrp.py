@@ -5,8 +5,8 @@
   rules' formulas written out on those matrices;
 * conservation where a rule promises it;
 * every composite on the plain-JAX CNN (against NumPy), the same CNN as an
-  unmodified Flax linen module (NHWC), Flax NNX module and Equinox CNN (vmapped; eqx.nn.AvgPool2d xfails: a
-  known gradkit bug), an unmodified Equinox MLP;
+  unmodified Flax linen module (NHWC), Flax NNX module and Equinox CNN (vmapped; its AvgPool2d puts layout ops
+  between the window sum and the division), an unmodified Equinox MLP;
 * jit, vmap, the target forms, bad composites.
 """
 
@@ -390,14 +390,9 @@ def _eqx_cnn(avg_pool="eqx"):
                                       f32(CW["d2"].T), f32(CW["e2"])))
 
 
-# eqx.nn.AvgPool2d traces as reduce_window_sum -> squeeze -> transpose -> div 4: compat/layers.py takes the avg_pool
-# unit to be the sum alone (the division must follow the sum directly), so the Norm rule sees the sum and the
-# division keeps its gradient: every relevance below it comes out 1/4 of Zennit's.
-_EQX_AVG_POOL_BUG = pytest.mark.xfail(strict=True, reason="gradkit bug: avg_pool unit misses the division after "
-                                                          "layout ops (eqx.nn.AvgPool2d); relevance off by 1/4")
-
-
-@pytest.mark.parametrize("avg_pool", [pytest.param("eqx", marks=_EQX_AVG_POOL_BUG), "lax"])
+# eqx.nn.AvgPool2d traces as reduce_window_sum -> squeeze -> transpose -> div 4: the pooling layer is all of it
+# (it was once the sum alone, and every relevance below it came out 1/4 of Zennit's).
+@pytest.mark.parametrize("avg_pool", ["eqx", "lax"])
 @pytest.mark.parametrize("name", sorted(COMPOSITES))
 def test_each_composite_on_an_unmodified_equinox_cnn(name, avg_pool):
     comp, rules = COMPOSITES[name]

@@ -154,13 +154,19 @@ class _Program:
                     self.units[add] = (_LINEAR[prim], i, chain, add)
                     self.deferred.update([i, *chain])
             elif prim == "reduce_window_sum" and dyn == [0]:
-                j = only_user(eqn.outvars[0])
+                chain = []  # layout ops between the sum and its division (Equinox's AvgPool2d: squeeze, transpose)
+                v = eqn.outvars[0]
+                j = only_user(v)
+                while j is not None and self.eqns[j].primitive.name in _LAYOUT and len(self.eqns[j].invars) == 1:
+                    chain.append(j)
+                    v = self.eqns[j].outvars[0]
+                    j = only_user(v)
                 e = None if j is None else self.eqns[j]
-                if (e is not None and e.primitive.name in ("div", "mul") and e.invars[0] is eqn.outvars[0]
+                if (e is not None and e.primitive.name in ("div", "mul") and e.invars[0] is v
                         and not _is_varying(e.invars[1], self.varying)):
                     assert j is not None
-                    self.units[j] = ("avg_pool", i, [], j)
-                    self.deferred.add(i)
+                    self.units[j] = ("avg_pool", i, chain, j)
+                    self.deferred.update([i, *chain])
                 else:
                     self.units[i] = ("avg_pool", i, [], None)
             elif prim == "reduce_window_max" and dyn == [0]:
@@ -323,6 +329,8 @@ class _Runner:
 
             def apply_pool(xv: Any, dv: Any) -> Any:
                 (s,) = bind(eqn, [xv])
+                for c in chain_eqns:
+                    (s,) = bind(c, [s])
                 return bind(tail, [s, dv])[0]
 
             c = _literal_scalar(tail.invars[1])

@@ -252,9 +252,10 @@ def _constant_value(eqn: JaxprEqn, known: dict[compat.Var, _Constant]) -> _Const
     subnormal read as 0) lands on a finite, nonzero, normal value too. Any
     doubt gives ``None``: a constant not recognised only costs a mask.
     """
-    out_dtype = np.dtype(walk.shaped(eqn.outvars[0].aval).dtype)
-    if not jax.numpy.issubdtype(out_dtype, jax.numpy.floating):
+    dtype = walk.shaped(eqn.outvars[0].aval).dtype
+    if not jax.numpy.issubdtype(dtype, jax.numpy.floating):  # before np.dtype: a PRNG key's dtype is not NumPy's
         return None
+    out_dtype = np.dtype(dtype)
     ins: list[_Constant] = []
     for a in eqn.invars:
         if isinstance(a, compat.Literal):
