@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_rule_layers import _count  # equations of one primitive, at any depth
 
 import gradkit as gk
 from gradkit._src import compat
@@ -29,18 +30,6 @@ SAFE = gk.tables.SAFE
 def _bits(x):
     x = np.asarray(x)
     return x.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[x.dtype.itemsize])
-
-
-def _count(jaxpr, name: str) -> int:
-    n = 0
-    for e in jaxpr.eqns:
-        n += e.primitive.name == name
-        for v in e.params.values():
-            for sub in (v if isinstance(v, (tuple, list)) else (v,)):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    n += _count(inner, name)
-    return n
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
