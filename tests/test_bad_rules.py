@@ -362,9 +362,11 @@ def test_an_op_inside_library_code_is_reported_at_the_users_call(fn, op, mode):
     else:
         bad = gk.jvp_rule(lambda o, t: [t[0], t[0], t[0]], name="too_many")
     x = jnp.array([0.5, -1.0, 2.0])
-    # the case is real: the op's own equation carries no user frame
+    # the op is there, inside the library's body; on jax 0.12 its equation carries no user frame (0.8 kept one)
     found = [e for e, _ in walk.equations(jax.make_jaxpr(fn)(x)) if compat.eqn_name(e) == op]
-    assert found and all(compat.source_line(e) == "unknown source line" for e in found), op
+    assert found, op
+    if compat.JAX_VERSION >= (0, 12):
+        assert all(compat.source_line(e) == "unknown source line" for e in found), op
     for wrap in (lambda f: f, jax.jit):
         with pytest.raises(gk.GradkitError) as info:
             wrap(jax.grad(gk.override(fn, {op: bad})))(x)
