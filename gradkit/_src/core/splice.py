@@ -252,6 +252,9 @@ def _constant_value(eqn: JaxprEqn, known: dict[compat.Var, _Constant]) -> _Const
     subnormal read as 0) lands on a finite, nonzero, normal value too. Any
     doubt gives ``None``: a constant not recognised only costs a mask.
     """
+    # Runs for every equation while a program is rewritten: the cheap test first (most inputs are not constants).
+    if any(not isinstance(a, compat.Literal) and a not in known for a in eqn.invars):
+        return None
     dtype = walk.shaped(eqn.outvars[0].aval).dtype
     if not jax.numpy.issubdtype(dtype, jax.numpy.floating):  # before np.dtype: a PRNG key's dtype is not NumPy's
         return None
