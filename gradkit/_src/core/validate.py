@@ -7,7 +7,7 @@ source line, and saying what was expected and what was got.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +15,7 @@ import numpy as np
 from jax.typing import ArrayLike, DTypeLike
 
 from gradkit._src import compat
+from gradkit._src.core import args as args_lib
 from gradkit._src.core.rule import OpView, Rule
 from gradkit._src.errors import GradkitError, describe
 
@@ -110,70 +111,124 @@ def match_leaves(value: object, ref: object, where: str, what: str, label: str) 
     return got
 
 
-def check_leaf(rule: Rule, op: OpView, value: object, primal: ArrayLike | None, what: str,
-               index: int) -> jax.Array | np.ndarray:
-    """Checks one cotangent/tangent leaf against its primal; returns a JAX value.
+Cast = Literal["weak", "real"]
+Absent = Literal["zeros", "none"]
 
-    ``None`` becomes zeros (``float0`` zeros for integer and boolean primals).
+
+def spec(shape: Sequence[int], dtype: DTypeLike) -> str:
+    """``float32[3,4]``: a leaf's dtype and shape, as error messages write them."""
+    return f"{jnp.dtype(dtype)}[{','.join(map(str, shape))}]"
+
+
+def check_leaf(value: object, primal: ArrayLike | None, *, where: str, leaf: str, what: str, cast: Cast,
+               absent: Absent) -> jax.Array | np.ndarray | None:
+    """Checks one cotangent/tangent leaf against its primal; returns it as a JAX value of the primal's dtype.
+
+    The one checker for what a rule (``check_all``) or a ``custom_gradient`` /
+    ``custom_jvp`` closure returned for one leaf. Errors read ``{where}
+    returned ... for {leaf}``: ``where`` names the rule and op, or the
+    function and its closure; ``leaf`` names the leaf (``leaf 0``, or an
+    argument's name).
+    ``what`` is ``cotangent``, ``gradient`` or ``output tangent`` (the last
+    is checked against an output, the others against an input).
+
+    ``cast``, which values of another dtype are cast to the primal's:
+
+    * ``"weak"`` (rules): only weakly typed ones (a Python ``int``/``float``,
+      ``jnp.asarray(0.5)``), which have no dtype of their own; a Python
+      ``bool`` and any other dtype are errors.
+    * ``"real"`` (``custom_gradient``, documented): any boolean, integer or
+      floating value (e.g. a float64 gradient for a float32 argument).
+
+    Under both, a complex value for a real primal is an error, and a shape
+    other than the primal's is one. ``absent``, what ``None`` and a primal
+    with no tangent space (integer, boolean: whatever was returned for it)
+    become: ``"zeros"``, zeros of the primal's shape and dtype (``float0``
+    zeros for no tangent space), or ``"none"``, ``None``.
     """
     shape = tuple(np.shape(primal))
     dtype = jnp.result_type(primal)
+    ref = "output" if what.startswith("output") else "input"
     if not jnp.issubdtype(dtype, jnp.inexact):
-        # Integer and boolean values have no tangent space: whatever the rule
-        # said, JAX needs float0 zeros here.
-        return np.zeros(shape, dtype=jax.dtypes.float0)
+        # Integer and boolean values have no tangent space: whatever was
+        # returned, JAX needs float0 zeros here (or no value at all).
+        return np.zeros(shape, dtype=jax.dtypes.float0) if absent == "zeros" else None
     if value is None:
-        return jnp.zeros(shape, dtype)
-    if isinstance(value, (bool, int, float, complex)) and not isinstance(value, np.generic):
-        if isinstance(value, bool):
+        return jnp.zeros(shape, dtype) if absent == "zeros" else None
+    real = not jnp.issubdtype(dtype, jnp.complexfloating)
+    if args_lib.is_number(value):
+        if isinstance(value, bool) and cast == "weak":
             # True/False as a gradient is almost always a bug (a comparison
             # returned by mistake); JAX would silently read it as 1.0/0.0.
             raise GradkitError(
-                f"{_where(rule, op)} returned a Python bool as the {what} for leaf {index} "
-                f"({dtype}[{','.join(map(str, shape))}]). Return a number or an array of the input's dtype.")
-        if isinstance(value, complex) and not jnp.issubdtype(dtype, jnp.complexfloating):
+                f"{where} returned a Python bool as the {what} for {leaf} ({spec(shape, dtype)}). "
+                f"Return a number or an array of the {ref}'s dtype.")
+        if isinstance(value, complex) and real:
             raise GradkitError(
-                f"{_where(rule, op)} returned a Python complex as the {what} for leaf {index}, whose input is "
-                f"real ({dtype}); the imaginary part would be lost. Return a real value.")
+                f"{where} returned a Python complex as the {what} for {leaf}, whose {ref} is real ({dtype}); "
+                "the imaginary part would be lost. Return a real value.")
         if shape != ():
             raise GradkitError(
-                f"{_where(rule, op)} returned a Python {type(value).__name__} as the {what} for "
-                f"leaf {index}, which is {dtype}[{','.join(map(str, shape))}]. Return an array of that shape, "
-                "e.g. jnp.full_like(x, value).")
+                f"{where} returned a Python {type(value).__name__} as the {what} for {leaf}, which is "
+                f"{spec(shape, dtype)}. Return an array of that shape, e.g. jnp.full_like(x, value).")
         return jnp.asarray(value, dtype)
     vshape = getattr(value, "shape", None)
     vdtype = getattr(value, "dtype", None)
     if vshape is None or vdtype is None:
         raise GradkitError(
-            f"{_where(rule, op)} returned {describe(value)} as the {what} for leaf {index}; expected an "
-            f"array {dtype}[{','.join(map(str, shape))}] or None.")
+            f"{where} returned {describe(value)} as the {what} for {leaf}; expected an array "
+            f"{spec(shape, dtype)} or None.")
     if tuple(vshape) != shape:
+        hint = (" It looks broadcast: sum it over the broadcast axes (e.g. jnp.sum(g, axis=...))."
+                if _broadcasts_to(shape, tuple(vshape)) else f" Broadcast or reduce it to the {ref}'s shape.")
         raise GradkitError(
-            f"{_where(rule, op)} returned {_a(what)} of shape {tuple(vshape)} for leaf {index}, "
-            f"expected {shape} (dtype {dtype}) to match the input. Broadcast or reduce it to the input's shape.")
-    if vdtype != dtype and _weak_cast_ok(value, vdtype, dtype):
-        # A weakly typed value (e.g. jnp.asarray(0.5), or `g * 0 + 1.0` under
-        # x64) has no dtype of its own: it takes the input's, like a Python scalar.
+            f"{where} returned {_a(what)} of shape {tuple(vshape)} for {leaf}, expected {shape} "
+            f"({spec(shape, dtype)}, the {ref}'s shape).{hint}")
+    if vdtype == dtype:
+        return jnp.asarray(value)
+    if real and jnp.issubdtype(vdtype, jnp.complexfloating):
+        raise GradkitError(
+            f"{where} returned {_a(what)} of dtype {vdtype} for {leaf}, expected {dtype} (shape {shape}): "
+            f"it is complex and the {ref} is real. Return a real value, e.g. jnp.real(g).")
+    if _cast_ok(value, vdtype, cast):
         return jnp.asarray(value).astype(dtype)
-    if vdtype != dtype:
-        raise GradkitError(
-            f"{_where(rule, op)} returned {_a(what)} of dtype {vdtype} for leaf {index}, expected {dtype} "
-            f"(shape {shape}). Compute it in the input's dtype or cast with .astype({dtype}).")
-    return jnp.asarray(value)
+    raise GradkitError(
+        f"{where} returned {_a(what)} of dtype {vdtype} for {leaf}, expected {dtype} (shape {shape}). "
+        f"Compute it in the {ref}'s dtype or cast with .astype({dtype}).")
+
+
+def _broadcasts_to(shape: tuple[int, ...], vshape: tuple[int, ...]) -> bool:
+    """Whether ``shape`` broadcasts to ``vshape``: the value was broadcast and wants a sum."""
+    try:
+        return np.broadcast_shapes(shape, vshape) == vshape
+    except ValueError:
+        return False
+
+
+def _cast_ok(value: object, vdtype: DTypeLike, cast: Cast) -> bool:
+    """Whether a (non-complex-for-real) value of ``vdtype`` may be cast under ``cast``.
+
+    ``"weak"``: a weakly typed value (e.g. ``jnp.asarray(0.5)``, or ``g * 0 + 1.0``
+    under x64) has no dtype of its own: it takes the primal's, like a Python
+    scalar. ``"real"``: any boolean, integer or floating value.
+    """
+    if cast == "weak" and not compat.is_weakly_typed(value):
+        return False
+    kinds = (jnp.integer, jnp.floating, jnp.complexfloating) if cast == "weak" else (
+        jnp.bool_, jnp.integer, jnp.floating, jnp.complexfloating)
+    return any(jnp.issubdtype(vdtype, k) for k in kinds)
 
 
 def check_all(rule: Rule, op: OpView, values: Sequence[object], primals: Sequence[ArrayLike | None],
               what: str) -> list[ArrayLike]:
-    return [check_leaf(rule, op, v, p, what, i) for i, (v, p) in enumerate(zip(values, primals))]
-
-
-def _weak_cast_ok(value: object, vdtype: DTypeLike, dtype: DTypeLike) -> bool:
-    """Whether ``value`` is weakly typed and casting it to ``dtype`` loses no kind of information."""
-    if not compat.is_weakly_typed(value):
-        return False
-    if jnp.issubdtype(vdtype, jnp.complexfloating):
-        return bool(jnp.issubdtype(dtype, jnp.complexfloating))
-    return bool(jnp.issubdtype(vdtype, jnp.integer) or jnp.issubdtype(vdtype, jnp.floating))
+    """A rule's leaves, checked: only weakly typed values are cast, ``None`` is zeros."""
+    where = _where(rule, op)
+    out: list[ArrayLike] = []
+    for i, (v, p) in enumerate(zip(values, primals)):
+        checked = check_leaf(v, p, where=where, leaf=f"leaf {i}", what=what, cast="weak", absent="zeros")
+        assert checked is not None  # absent="zeros"
+        out.append(checked)
+    return out
 
 
 def checked_call(rule: Rule, op: OpView, arg: Any) -> object:  # Any: a VJP rule's g or a JVP rule's tangents

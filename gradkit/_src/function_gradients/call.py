@@ -55,10 +55,6 @@ def summary(x: object) -> str:
     return describe(x)
 
 
-def _spec(shape: Sequence[int], dtype: DTypeLike) -> str:
-    return f"{jnp.dtype(dtype)}[{','.join(map(str, shape))}]"
-
-
 def is_zero(t: object) -> bool:
     """A symbolic zero, a float0 tangent or None: no tangent/cotangent at all."""
     return (t is None or isinstance(t, jax.custom_derivatives.SymbolicZero)
@@ -314,38 +310,14 @@ def _align(info: FnInfo, value: object, refs: Sequence[object], labels: Sequence
 
 
 def _check(info: FnInfo, value: object, like: ArrayLike, label: str, what: str) -> object:
-    """``value`` as an array of ``like``'s shape and dtype (cast if needed); ``None`` stays ``None``.
+    """``value`` as an array of ``like``'s shape and dtype; ``None`` stays ``None``.
 
-    ``like`` has no tangent space (integer, boolean) → ``None``, whatever the
-    closure returned.
+    Any boolean, integer or floating value is cast to ``like``'s dtype
+    (documented: parameters are never promoted). ``like`` has no tangent
+    space (integer, boolean) → ``None``, whatever the closure returned.
     """
-    shape, dtype = tuple(np.shape(like)), jnp.result_type(like)
-    if value is None or not inexact(dtype):
-        return None
-    if is_number(value):
-        if shape != ():
-            raise GradkitError(
-                f"{info.where}: the {what} for {label} is a Python {type(value).__name__}, but {label} is "
-                f"{_spec(shape, dtype)}. Return an array of that shape, e.g. jnp.full_like(x, value).")
-        value = jnp.asarray(value)
-    vshape, vdtype = getattr(value, "shape", None), getattr(value, "dtype", None)
-    if vshape is None or vdtype is None:
-        raise GradkitError(
-            f"{info.where}: the {what} for {label} is {summary(value)}; expected an array "
-            f"{_spec(shape, dtype)} or None.")
-    if tuple(vshape) != shape:
-        hint = (" It looks broadcast: sum it over the broadcast axes (e.g. jnp.sum(g, axis=...))."
-                if len(vshape) >= len(shape) and vshape != shape else "")
-        raise GradkitError(
-            f"{info.where}: the {what} for {label} has shape {tuple(vshape)}, expected {shape} "
-            f"({_spec(shape, dtype)}, the shape of {label}).{hint}")
-    if vdtype != dtype:
-        if jnp.issubdtype(vdtype, jnp.complexfloating) and not jnp.issubdtype(dtype, jnp.complexfloating):
-            raise GradkitError(
-                f"{info.where}: the {what} for {label} is complex ({vdtype}) but {label} is real ({dtype}). "
-                "Return a real value, e.g. jnp.real(g).")
-        value = jnp.asarray(value).astype(dtype)  # documented: cast back to the input's dtype
-    return value
+    return validate.check_leaf(value, like, where=f"{info.where}: its {info.closure}", leaf=label, what=what,
+                               cast="real", absent="none")
 
 
 def _labels(ref: object, base: str) -> list[str]:
