@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -85,79 +85,51 @@ def straight_through(quantizer: Callable[..., ArrayLike]) -> Callable[..., Array
     return wrapper
 
 
-@jax.custom_jvp
-def _ste_identity_round(x: Array) -> Array:
-    return jnp.round(x)
+class _Rounding(Protocol):
+    def __call__(self, x: ArrayLike) -> Array: ...
 
 
-@jax.custom_jvp
-def _ste_identity_floor(x: Array) -> Array:
-    return jnp.floor(x)
+def _ste(op: Callable[[Array], Array], name: str, summary: str, x: float, value: float,
+         more: str = "") -> _Rounding:
+    """The public straight-through function ``name``: ``op(x)`` forward, the identity's derivative.
 
+    ``op`` is an elementwise rounding of a float array; the result is one
+    ``jax.custom_jvp`` (so forward mode and higher orders see the identity)
+    behind ``name(x)``, which first makes ``x`` a float array. Its docstring
+    is ``summary``, then ``more`` (a paragraph, optional), then a runnable
+    example: ``name(x) == value`` and its derivative at ``x`` is 1.
+    """
 
-@jax.custom_jvp
-def _ste_identity_ceil(x: Array) -> Array:
-    return jnp.ceil(x)
+    def forward(x: Array) -> Array:
+        return op(x)
 
+    forward.__name__ = forward.__qualname__ = f"_ste_identity_{name.removeprefix('ste_')}"  # the jaxpr's name
+    identity_derivative = jax.custom_jvp(forward)
+    identity_derivative.defjvp(lambda primals, tangents: (identity_derivative(*primals), tangents[0]))
 
-@jax.custom_jvp
-def _ste_identity_sign(x: Array) -> Array:
-    return jnp.sign(x)
+    def ste(x: ArrayLike) -> Array:
+        return identity_derivative(_as_float(x))
 
-
-for _fn in (_ste_identity_round, _ste_identity_floor, _ste_identity_ceil, _ste_identity_sign):
-    _fn.defjvp(lambda primals, tangents, _f=_fn: (_f(*primals), tangents[0]))
-
-
-def ste_round(x: ArrayLike) -> Array:
-    """``jnp.round(x)`` (half to even) with the identity's derivative.
-
+    ste.__name__ = ste.__qualname__ = name
+    ste.__doc__ = f"""{summary}
+{more}
     Examples:
       >>> import jax
       >>> from gradkit import estimators as est
-      >>> float(est.ste_round(2.5)), float(jax.grad(est.ste_round)(2.5))
-      (2.0, 1.0)
+      >>> float(est.{name}({x})), float(jax.grad(est.{name})({x}))
+      ({value}, 1.0)
     """
-    return _ste_identity_round(_as_float(x))
+    return ste
 
 
-def ste_floor(x: ArrayLike) -> Array:
-    """``jnp.floor(x)`` with the identity's derivative.
-
-    Examples:
-      >>> import jax
-      >>> from gradkit import estimators as est
-      >>> float(est.ste_floor(1.7)), float(jax.grad(est.ste_floor)(1.7))
-      (1.0, 1.0)
-    """
-    return _ste_identity_floor(_as_float(x))
-
-
-def ste_ceil(x: ArrayLike) -> Array:
-    """``jnp.ceil(x)`` with the identity's derivative.
-
-    Examples:
-      >>> import jax
-      >>> from gradkit import estimators as est
-      >>> float(est.ste_ceil(1.2)), float(jax.grad(est.ste_ceil)(1.2))
-      (2.0, 1.0)
-    """
-    return _ste_identity_ceil(_as_float(x))
-
-
-def ste_sign(x: ArrayLike) -> Array:
-    """``jnp.sign(x)`` with the identity's derivative (binarized networks).
-
+ste_round = _ste(jnp.round, "ste_round", "``jnp.round(x)`` (half to even) with the identity's derivative.", 2.5, 2.0)
+ste_floor = _ste(jnp.floor, "ste_floor", "``jnp.floor(x)`` with the identity's derivative.", 1.7, 1.0)
+ste_ceil = _ste(jnp.ceil, "ste_ceil", "``jnp.ceil(x)`` with the identity's derivative.", 1.2, 2.0)
+ste_sign = _ste(jnp.sign, "ste_sign", "``jnp.sign(x)`` with the identity's derivative (binarized networks).", -0.3,
+                -1.0, more="""
     The plain identity, not the "hard tanh" variant: compose with
     :func:`clip_gradient` or a mask to zero the gradient for ``|x| > 1``.
-
-    Examples:
-      >>> import jax
-      >>> from gradkit import estimators as est
-      >>> float(est.ste_sign(-0.3)), float(jax.grad(est.ste_sign)(-0.3))
-      (-1.0, 1.0)
-    """
-    return _ste_identity_sign(_as_float(x))
+""")
 
 
 # --------------------------------------------------------------------------- clip / scale / reverse
