@@ -107,6 +107,34 @@ def _check_eps(rule: str, name: str, value: float) -> float:
     return v
 
 
+WeightRelevance = Callable[[Layer, jax.Array, jax.Array, jax.Array, "jax.Array | None", float], jax.Array]
+
+
+def _weight_rule(name: str, stabilizer: float, relevance: WeightRelevance, *params: tuple[str, Any]) -> LrpRule:
+    """A rule that modifies the weight, for dense and conv layers, from ``relevance(layer, x, R, w, b, eps)``.
+
+    ``w`` and ``b`` are the layer's weight and bias (``None`` without one),
+    ``eps`` the stabilizer, checked here (``>= 0``). ``params`` are the rule's
+    other parameters, shown before the stabilizer.
+    """
+    e = _check_eps(name, "stabilizer", stabilizer)
+
+    def rel(layer: Layer, x: jax.Array, r: jax.Array) -> jax.Array:
+        w, b = _weight_bias(layer)
+        return relevance(layer, x, r, w, b, e)
+
+    return LrpRule(name, rel, (*params, ("stabilizer", stabilizer)), needs_weight=True)
+
+
+def _ratio(layer: Layer, r: jax.Array, e: float, x1: jax.Array, w1: jax.Array, b1: jax.Array | None,
+           x2: jax.Array | None = None, w2: jax.Array | None = None) -> jax.Array:
+    """``R / stabilize(x₁W₁ + b₁ + x₂W₂)``; without the ``x₂`` term (``None``: the input is non-negative, x⁻ = 0)."""
+    z = _z(layer, x1, w1, b1)
+    if x2 is not None:
+        z = z + layer.apply(x2, w2)
+    return r / stabilize(z, e)
+
+
 def epsilon(eps: float = 1e-6) -> LrpRule:
     """LRP-ε (Zennit's ``Epsilon``): ``R_in = x * J^T (R / stabilize(z, eps))`` with ``z = xW + b``.
 
@@ -152,19 +180,16 @@ def zplus(stabilizer: float = 1e-6) -> LrpRule:
       >>> gk.attribution.zplus()
       zplus(stabilizer=1e-06)
     """
-    e = _check_eps("zplus", "stabilizer", stabilizer)
+    return _weight_rule("zplus", stabilizer, _zplus)
 
-    def rel(layer: Layer, x: jax.Array, r: jax.Array) -> jax.Array:
-        w, b = _weight_bias(layer)
-        wp, wn = _pos(w), _neg(w)
-        if layer.nonnegative_input:  # x⁻ = 0: its terms are exactly 0
-            c = r / stabilize(_z(layer, x, wp, _pos(b)), e)
-            return x * _pullback(layer, x, wp, c)
-        xp, xn = _pos(x), _neg(x)
-        c = r / stabilize(_z(layer, xp, wp, _pos(b)) + layer.apply(xn, wn), e)
-        return xp * _pullback(layer, x, wp, c) + xn * _pullback(layer, x, wn, c)
 
-    return LrpRule("zplus", rel, (("stabilizer", stabilizer),), needs_weight=True)
+def _zplus(layer: Layer, x: jax.Array, r: jax.Array, w: jax.Array, b: jax.Array | None, e: float) -> jax.Array:
+    wp, wn = _pos(w), _neg(w)
+    if layer.nonnegative_input:  # x⁻ = 0: its terms are exactly 0
+        return x * _pullback(layer, x, wp, _ratio(layer, r, e, x, wp, _pos(b)))
+    xp, xn = _pos(x), _neg(x)
+    c = _ratio(layer, r, e, xp, wp, _pos(b), xn, wn)
+    return xp * _pullback(layer, x, wp, c) + xn * _pullback(layer, x, wn, c)
 
 
 def alpha_beta(alpha: float = 2.0, beta: float = 1.0, stabilizer: float = 1e-6) -> LrpRule:
@@ -179,27 +204,23 @@ def alpha_beta(alpha: float = 2.0, beta: float = 1.0, stabilizer: float = 1e-6) 
       >>> gk.attribution.alpha_beta(2, 1)
       alpha_beta(alpha=2, beta=1, stabilizer=1e-06)
     """
-    e = _check_eps("alpha_beta", "stabilizer", stabilizer)
+    _check_eps("alpha_beta", "stabilizer", stabilizer)  # a bad stabilizer is reported first
     a, bt = float(alpha), float(beta)
     if a < 0 or bt < 0 or a - bt != 1:
         raise GradkitError(f"attribution.alpha_beta: alpha and beta must be >= 0 with alpha - beta == 1 "
                            f"(e.g. alpha_beta(2, 1) or alpha_beta(1, 0)); got alpha={alpha!r}, beta={beta!r}.")
 
-    def rel(layer: Layer, x: jax.Array, r: jax.Array) -> jax.Array:
-        w, b = _weight_bias(layer)
+    def rel(layer: Layer, x: jax.Array, r: jax.Array, w: jax.Array, b: jax.Array | None, e: float) -> jax.Array:
         wp, wn = _pos(w), _neg(w)
         if layer.nonnegative_input:
-            cp = r / stabilize(_z(layer, x, wp, _pos(b)), e)
-            cn = r / stabilize(_z(layer, x, wn, _neg(b)), e)
+            cp, cn = _ratio(layer, r, e, x, wp, _pos(b)), _ratio(layer, r, e, x, wn, _neg(b))
             return x * (a * _pullback(layer, x, wp, cp) - bt * _pullback(layer, x, wn, cn))
         xp, xn = _pos(x), _neg(x)
-        cp = r / stabilize(_z(layer, xp, wp, _pos(b)) + layer.apply(xn, wn), e)
-        cn = r / stabilize(_z(layer, xp, wn, _neg(b)) + layer.apply(xn, wp), e)
+        cp, cn = _ratio(layer, r, e, xp, wp, _pos(b), xn, wn), _ratio(layer, r, e, xp, wn, _neg(b), xn, wp)
         return (a * (xp * _pullback(layer, x, wp, cp) + xn * _pullback(layer, x, wn, cp))
                 - bt * (xp * _pullback(layer, x, wn, cn) + xn * _pullback(layer, x, wp, cn)))
 
-    return LrpRule("alpha_beta", rel, (("alpha", alpha), ("beta", beta), ("stabilizer", stabilizer)),
-                   needs_weight=True)
+    return _weight_rule("alpha_beta", stabilizer, rel, ("alpha", alpha), ("beta", beta))
 
 
 def gamma(gamma: float = 0.25, stabilizer: float = 1e-6) -> LrpRule:
@@ -214,30 +235,28 @@ def gamma(gamma: float = 0.25, stabilizer: float = 1e-6) -> LrpRule:
       >>> gk.attribution.gamma(0.25)
       gamma(gamma=0.25, stabilizer=1e-06)
     """
-    e = _check_eps("gamma", "stabilizer", stabilizer)
+    _check_eps("gamma", "stabilizer", stabilizer)  # a bad stabilizer is reported first
     g = _check_eps("gamma", "gamma", gamma)
 
-    def rel(layer: Layer, x: jax.Array, r: jax.Array) -> jax.Array:
-        w, b = _weight_bias(layer)
-        def up(p: Any) -> Any:
-            return None if p is None else p + g * jnp.maximum(p, 0)
+    def up(p: Any) -> Any:
+        return None if p is None else p + g * jnp.maximum(p, 0)
 
-        def down(p: Any) -> Any:
-            return None if p is None else p + g * jnp.minimum(p, 0)
+    def down(p: Any) -> Any:
+        return None if p is None else p + g * jnp.minimum(p, 0)
 
+    def rel(layer: Layer, x: jax.Array, r: jax.Array, w: jax.Array, b: jax.Array | None, e: float) -> jax.Array:
         wu, wd = up(w), down(w)
         z = _z(layer, x, w, b)
+        rp, rn = jnp.where(z > 0, r, 0), jnp.where(z < 0, r, 0)
         if layer.nonnegative_input:
-            cp = jnp.where(z > 0, r, 0) / stabilize(_z(layer, x, wu, up(b)), e)
-            cn = jnp.where(z < 0, r, 0) / stabilize(_z(layer, x, wd, down(b)), e)
+            cp, cn = _ratio(layer, rp, e, x, wu, up(b)), _ratio(layer, rn, e, x, wd, down(b))
             return x * (_pullback(layer, x, wu, cp) + _pullback(layer, x, wd, cn))
         xp, xn = _pos(x), _neg(x)
-        cp = jnp.where(z > 0, r, 0) / stabilize(_z(layer, xp, wu, up(b)) + layer.apply(xn, wd), e)
-        cn = jnp.where(z < 0, r, 0) / stabilize(_z(layer, xp, wd, down(b)) + layer.apply(xn, wu), e)
+        cp, cn = _ratio(layer, rp, e, xp, wu, up(b), xn, wd), _ratio(layer, rn, e, xp, wd, down(b), xn, wu)
         return (xp * (_pullback(layer, x, wu, cp) + _pullback(layer, x, wd, cn))
                 + xn * (_pullback(layer, x, wd, cp) + _pullback(layer, x, wu, cn)))
 
-    return LrpRule("gamma", rel, (("gamma", gamma), ("stabilizer", stabilizer)), needs_weight=True)
+    return _weight_rule("gamma", stabilizer, rel, ("gamma", gamma))
 
 
 def flat(stabilizer: float = 1e-6) -> LrpRule:
@@ -250,14 +269,12 @@ def flat(stabilizer: float = 1e-6) -> LrpRule:
       >>> gk.attribution.flat()
       flat(stabilizer=1e-06)
     """
-    e = _check_eps("flat", "stabilizer", stabilizer)
+    return _weight_rule("flat", stabilizer, _flat)
 
-    def rel(layer: Layer, x: jax.Array, r: jax.Array) -> jax.Array:
-        ones = jnp.ones_like(layer.params[0])
-        z = layer.apply(_ones_like(x), ones)
-        return _pullback(layer, x, ones, r / stabilize(z, e))
 
-    return LrpRule("flat", rel, (("stabilizer", stabilizer),), needs_weight=True)
+def _flat(layer: Layer, x: jax.Array, r: jax.Array, w: jax.Array, b: jax.Array | None, e: float) -> jax.Array:
+    ones = jnp.ones_like(w)
+    return _pullback(layer, x, ones, _ratio(layer, r, e, _ones_like(x), ones, None))
 
 
 def w_square(stabilizer: float = 1e-6) -> LrpRule:
@@ -270,15 +287,12 @@ def w_square(stabilizer: float = 1e-6) -> LrpRule:
       >>> gk.attribution.w_square()
       w_square(stabilizer=1e-06)
     """
-    e = _check_eps("w_square", "stabilizer", stabilizer)
+    return _weight_rule("w_square", stabilizer, _w_square)
 
-    def rel(layer: Layer, x: jax.Array, r: jax.Array) -> jax.Array:
-        w, b = _weight_bias(layer)
-        w2 = w * w
-        z = _z(layer, _ones_like(x), w2, None if b is None else b * b)
-        return _pullback(layer, x, w2, r / stabilize(z, e))
 
-    return LrpRule("w_square", rel, (("stabilizer", stabilizer),), needs_weight=True)
+def _w_square(layer: Layer, x: jax.Array, r: jax.Array, w: jax.Array, b: jax.Array | None, e: float) -> jax.Array:
+    w2 = w * w
+    return _pullback(layer, x, w2, _ratio(layer, r, e, _ones_like(x), w2, None if b is None else b * b))
 
 
 def zbox(low: Any, high: Any, stabilizer: float = 1e-6) -> LrpRule:
@@ -293,10 +307,7 @@ def zbox(low: Any, high: Any, stabilizer: float = 1e-6) -> LrpRule:
       >>> gk.attribution.zbox(0.0, 1.0)
       zbox(low=0.0, high=1.0, stabilizer=1e-06)
     """
-    e = _check_eps("zbox", "stabilizer", stabilizer)
-
-    def rel(layer: Layer, x: jax.Array, r: jax.Array) -> jax.Array:
-        w, b = _weight_bias(layer)
+    def rel(layer: Layer, x: jax.Array, r: jax.Array, w: jax.Array, b: jax.Array | None, e: float) -> jax.Array:
         wp, wn = _pos(w), _neg(w)
         try:
             lo = _constant_input(low, x)
@@ -309,7 +320,7 @@ def zbox(low: Any, high: Any, stabilizer: float = 1e-6) -> LrpRule:
         c = r / stabilize(z, e)
         return x * _pullback(layer, x, w, c) - lo * _pullback(layer, x, wp, c) - hi * _pullback(layer, x, wn, c)
 
-    return LrpRule("zbox", rel, (("low", low), ("high", high), ("stabilizer", stabilizer)), needs_weight=True)
+    return _weight_rule("zbox", stabilizer, rel, ("low", low), ("high", high))
 
 
 def pass_through() -> LrpRule:
