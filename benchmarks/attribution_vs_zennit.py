@@ -51,7 +51,6 @@ import os
 import platform
 import statistics
 import sys
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -64,6 +63,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common import samples
 
 import gradkit as gk
 
@@ -401,24 +402,9 @@ def agreement(p: Problem) -> list[dict[str, Any]]:
 # Timing.
 # --------------------------------------------------------------------------------------------------------------
 
-def _materialize(out: Any) -> None:
-    if hasattr(out, "block_until_ready"):
-        out.block_until_ready()
-
-
 def interleaved(fns: dict[str, Callable[[], Any]], repeats: int, inner: int) -> dict[str, dict[str, float]]:
     """Median (and min, max) seconds per call of each fn, alternating between them to share the machine's noise."""
-    for f in fns.values():  # warm-up: compile, allocate
-        _materialize(f())
-        _materialize(f())
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, f in fns.items():
-            t0 = time.perf_counter()
-            for _ in range(inner):
-                out = f()
-            _materialize(out)
-            times[k].append((time.perf_counter() - t0) / inner)
+    times = samples(fns, repeats, inner, warmup=2)  # warm-up: compile, allocate
     return {k: {"median_s": statistics.median(v), "min_s": min(v), "max_s": max(v)} for k, v in times.items()}
 
 

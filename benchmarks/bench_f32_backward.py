@@ -23,7 +23,6 @@ F32_BACKWARD were chosen).
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from collections.abc import Callable
@@ -35,7 +34,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import format_row, interleaved, row
+from common import interleaved, parser, report, row
 
 import gradkit as gk
 
@@ -187,17 +186,13 @@ def ablation(quick: bool = False) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="small sizes and few repeats")
+    p = parser(__doc__)
     p.add_argument("--ablation", action="store_true", help="the error with each rule alone")
     args = p.parse_args(argv)
     if args.ablation:
         ablation(args.quick)
         return 0
-    print(f"F32_BACKWARD (jax {jax.__version__}, {jax.devices()[0].platform})")
-    for r in rows(args.quick):
-        print(format_row(r, 64))
-    return 0
+    return report("F32_BACKWARD", rows(args.quick), 64)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import format_row, interleaved, mlp_problem, row
+from common import interleaved, mlp_problem, parser, report, row
 
 import gradkit as gk
 
@@ -173,17 +173,13 @@ def memory_rows(quick: bool = False) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="small sizes and few repeats")
+    p = parser(__doc__)
     p.add_argument("--memory-child", type=int, metavar="WIDTH", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.memory_child:
         print(json.dumps(measure_memory(args.memory_child)))
         return 0
-    print(f"gk.guard finite-path cost and bad-step memory (jax {jax.__version__}, {jax.devices()[0].platform})")
-    for r in rows(args.quick):
-        print(format_row(r, 52))
-    return 0
+    return report("gk.guard finite-path cost and bad-step memory", rows(args.quick), 52)
 
 
 if __name__ == "__main__":

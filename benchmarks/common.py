@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Callable
@@ -19,10 +20,15 @@ def block(x: Any) -> Any:
     return jax.tree_util.tree_map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, x)
 
 
-def interleaved(fns: dict[str, Callable[[], Any]], repeats: int, inner: int = 1) -> dict[str, float]:
-    """Median seconds per call of each fn, alternating between them to share the noise."""
+def samples(fns: dict[str, Callable[[], Any]], repeats: int, inner: int = 1, warmup: int = 1) -> dict[str, list[float]]:
+    """Seconds per call of each fn, one sample per repeat, alternating between them to share the noise.
+
+    Each fn first runs ``warmup`` times (compile, allocate); a sample is the
+    mean of ``inner`` calls, their results computed.
+    """
     for f in fns.values():
-        block(f())
+        for _ in range(warmup):
+            block(f())
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
         for k, f in fns.items():
@@ -31,7 +37,12 @@ def interleaved(fns: dict[str, Callable[[], Any]], repeats: int, inner: int = 1)
                 out = f()
             block(out)
             times[k].append((time.perf_counter() - t0) / inner)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return times
+
+
+def interleaved(fns: dict[str, Callable[[], Any]], repeats: int, inner: int = 1) -> dict[str, float]:
+    """Median seconds per call of each fn (:func:`samples`)."""
+    return {k: statistics.median(v) for k, v in samples(fns, repeats, inner).items()}
 
 
 def once(f: Callable[[], Any]) -> float:
@@ -52,6 +63,21 @@ def format_row(r: Row, width: int = 48) -> str:
     target = "" if r["target"] is None else f"<= {r['target']:.2f}"
     verdict = "" if r["pass"] is None else ("pass" if r["pass"] else "MISS")
     return f"{r['workload']:{width}} {r['baseline']:20} {r['ratio']:8.3f} {target:>8}  {verdict}"
+
+
+def parser(doc: str | None) -> argparse.ArgumentParser:
+    """A benchmark's command line: its module docstring as the help, and ``--quick``."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small sizes and few repeats")
+    return p
+
+
+def report(title: str, rows: list[Row], width: int) -> int:
+    """Prints ``title`` with the JAX version and platform, then the table; 0, for ``main`` to return."""
+    print(f"{title} (jax {jax.__version__}, {jax.devices()[0].platform})")
+    for r in rows:
+        print(format_row(r, width))
+    return 0
 
 
 def mlp_problem(batch: int, width: int, depth: int) -> tuple[Any, Any, Any]:
