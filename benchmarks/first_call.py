@@ -86,7 +86,7 @@ def corpus_results(quick: bool, only: str | None = None) -> list[dict[str, Any]]
         loss, args = prog.build()
         m = compare({"plain": lambda loss=loss: jax.grad(loss),
                      "gradkit": lambda loss=loss: jax.grad(gk.override(loss, table))},
-                    args, 2 if quick else 5)
+                    args, 1 if quick else 5)
         ours, base = m["gradkit"], m["plain"]
         results.append({"name": prog.name, "family": prog.family, "ratio": ours["total"] / base["total"],
                         "dominant": dominant(ours, base), "plain_s": base["total"],
@@ -132,7 +132,7 @@ def rows_chain(quick: bool) -> list[Row]:
     x = jnp.linspace(1.0, 2.0, 256)
     m = compare({"twins": lambda: jax.grad(_sqrt_chain(_sqrt_twin())),
                  "gradkit": lambda: jax.grad(gk.override(_sqrt_chain(jnp.sqrt), {"sqrt": rule}))},
-                (x,), 2 if quick else 7)
+                (x,), 1 if quick else 7)
     ours, base = m["gradkit"], m["twins"]
     return [row(f"first call, 1,000-eqn chain, 200 sqrt VJP [{dominant(ours, base)}]", "hand custom_vjp twins",
                 ours["total"] / base["total"], 1.10)]
