@@ -9,7 +9,7 @@ from jax.typing import ArrayLike
 
 from gradkit._src.core.named import op as _op
 from gradkit._src.stable import numerics as _k
-from gradkit._src.stable.util import split_constant, two_diff
+from gradkit._src.stable.util import slope_jvp, split_constant, two_diff
 
 Array = jax.Array
 _LN2_DIGITS = "0.693147180559945309417232121458176568075500134360255254120680"
@@ -92,10 +92,7 @@ def _log1mexp_slope_jvp(primals, tangents):
     return s, -t * (s * (1.0 + s))  # (1/expm1)' = -e^x / expm1^2 = -s (1 + s)
 
 
-@_log1mexp.defjvp
-def _log1mexp_jvp(primals, tangents):
-    (x,), (t,) = primals, tangents
-    return _log1mexp(x), t * _log1mexp_slope(x)
+slope_jvp(_log1mexp, _log1mexp_slope)
 
 
 @_op("log1mexp")
@@ -225,10 +222,7 @@ def _log_cosh(x):
     return lg + b * jnp.sign(jnp.floor(b))
 
 
-@_log_cosh.defjvp
-def _log_cosh_jvp(primals, tangents):
-    (x,), (t,) = primals, tangents
-    return _log_cosh(x), t * _k.tanh(x)
+slope_jvp(_log_cosh, _k.tanh)
 
 
 @_op("log_cosh")

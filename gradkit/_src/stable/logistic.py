@@ -13,7 +13,7 @@ from jax.typing import ArrayLike
 
 from gradkit._src.core.named import op as _op
 from gradkit._src.stable import numerics as _k
-from gradkit._src.stable.util import split_constant
+from gradkit._src.stable.util import slope_jvp, split_constant
 
 Array = jax.Array
 
@@ -28,10 +28,7 @@ def _log1pexp(x):
     return jnp.maximum(x, jnp.log1p(_k.sigmoid_exp(x)))
 
 
-@_log1pexp.defjvp
-def _log1pexp_jvp(primals, tangents):
-    (x,), (t,) = primals, tangents
-    return _log1pexp(x), t * _k.sigmoid(x)
+slope_jvp(_log1pexp, _k.sigmoid)
 
 
 @_op("log1pexp")
@@ -110,10 +107,7 @@ def _sigmoid(x):
     return jnp.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
 
 
-@_sigmoid.defjvp
-def _sigmoid_jvp(primals, tangents):
-    (x,), (t,) = primals, tangents
-    return _sigmoid(x), t * _k.sigmoid_prime(x)
+slope_jvp(_sigmoid, _k.sigmoid_prime)
 
 
 @_op("sigmoid")
@@ -238,10 +232,7 @@ def _silu(x):
     return jnp.where(far, (x * e) * _far_scale(x.dtype), x * s)
 
 
-@_silu.defjvp
-def _silu_jvp(primals, tangents):
-    (x,), (t,) = primals, tangents
-    return _silu(x), t * _silu_prime(x)
+slope_jvp(_silu, _silu_prime)
 
 
 @_op("silu")

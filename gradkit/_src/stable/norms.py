@@ -7,12 +7,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.typing import ArrayLike
 
 from gradkit._src.core.named import op as _op
 from gradkit._src.stable import numerics as _k
-from gradkit._src.stable.util import named, norm_axes, pow2_floor, static_axis
+from gradkit._src.stable.util import named, norm_axes, pow2_floor, scaled_pair, static_axis
 
 Array = jax.Array
 
@@ -29,11 +28,7 @@ def _hypot(x, y):
 @_hypot.defjvp
 def _hypot_jvp(primals, tangents):
     (x, y), (tx, ty) = primals, tangents
-    m = jnp.maximum(jnp.abs(x), jnp.abs(y))
-    ok = jnp.isfinite(m) & (m > 0)
-    scale = pow2_floor(jnp.where(ok, m, 1.0))
-    # the barrier stops XLA from merging (x / s) / h into x / (s h), which overflows
-    xs, ys = lax.optimization_barrier((jnp.where(ok, x, 1.0) / scale, jnp.where(ok, y, 1.0) / scale))
+    m, ok, _, xs, ys = scaled_pair(x, y, 1.0)  # (x, y) / s, s a power of two
     # (x, y) / hypot: the squares and their sum exactly, the square root corrected by one Newton
     # step on that sum, each quotient rounded once (the rounded x^2 + y^2 and sqrt cost up to 2 ULP)
     sq, sq_lo = _k.two_square(xs)

@@ -12,7 +12,7 @@ from jax.typing import ArrayLike
 
 from gradkit._src.core.named import op as _op
 from gradkit._src.stable import numerics as _k
-from gradkit._src.stable.util import named, pow2_floor, where0
+from gradkit._src.stable.util import named, scaled_pair, slope_jvp, where0
 
 Array = jax.Array
 
@@ -143,11 +143,7 @@ def _safe_arctan2(y, x):
 @_safe_arctan2.defjvp
 def _safe_arctan2_jvp(primals, tangents):
     (y, x), (ty, tx) = primals, tangents
-    m = jnp.maximum(jnp.abs(x), jnp.abs(y))
-    ok = jnp.isfinite(m) & (m > 0)
-    scale = pow2_floor(jnp.where(ok, m, 1.0))
-    # the barrier stops XLA from merging (x / s) / d / s into x / (s * d * s), which overflows
-    xs, ys = lax.optimization_barrier((jnp.where(ok, x, 1.0) / scale, jnp.where(ok, y, 0.0) / scale))
+    m, ok, scale, xs, ys = scaled_pair(x, y, 0.0)  # (x, y) / s, s a power of two
     d = xs * xs + ys * ys
     nan = jnp.isnan(m)
     dy = jnp.where(ok, (xs / d) / scale, jnp.where(nan, m, 0.0))
@@ -277,10 +273,7 @@ def _safe_arcsin(x):
     return jnp.where(tiny, x, jnp.arcsin(jnp.clip(jnp.where(tiny, 0.0, x), -1.0, 1.0)))
 
 
-@_safe_arcsin.defjvp
-def _safe_arcsin_jvp(primals, tangents):
-    (x,), (t,) = primals, tangents
-    return _safe_arcsin(x), t * _acos_slope(x)
+slope_jvp(_safe_arcsin, _acos_slope)
 
 
 @_op("safe_arccos")
@@ -323,17 +316,31 @@ def safe_arcsin(x: ArrayLike) -> Array:
 # =========================================================================== x log y
 
 
-@jax.custom_jvp
-def _xlogy(x, y):
-    return jnp.where((x != 0) | jnp.isnan(y), x * jnp.log(y), 0.0)
+def _x_times(log: Any, y_slope_denominator: Any, name: str) -> Any:
+    """``x * log(y)``, 0 where ``x == 0`` (unless ``y`` is NaN), as a ``jax.custom_jvp`` named ``name``.
+
+    ``d/dx = log(y)``; ``d/dy = x / y_slope_denominator(y, x == 0)`` and 0
+    wherever ``x == 0`` (the denominator is given a ``y`` made safe there).
+    """
+
+    def value(x, y):
+        return jnp.where((x != 0) | jnp.isnan(y), x * log(y), 0.0)
+
+    value.__name__ = value.__qualname__ = name  # what a rule table sees: fn:<name>
+    fn = jax.custom_jvp(value)
+
+    @fn.defjvp
+    def fn_jvp(primals, tangents):
+        (x, y), (tx, ty) = primals, tangents
+        zero = x == 0
+        dy = jnp.where(zero, 0.0, x / y_slope_denominator(y, zero))
+        return fn(x, y), tx * log(y) + ty * dy
+
+    return fn
 
 
-@_xlogy.defjvp
-def _xlogy_jvp(primals, tangents):
-    (x, y), (tx, ty) = primals, tangents
-    zero = x == 0
-    dy = jnp.where(zero, 0.0, x / jnp.where(zero, 1.0, y))
-    return _xlogy(x, y), tx * jnp.log(y) + ty * dy
+_xlogy = _x_times(jnp.log, lambda y, zero: jnp.where(zero, 1.0, y), "_xlogy")  # d/dy = x / y
+_xlog1py = _x_times(_k.log1p, lambda y, zero: 1.0 + jnp.where(zero, 0.0, y), "_xlog1py")  # d/dy = x / (1 + y)
 
 
 @_op("xlogy")
@@ -352,19 +359,6 @@ def xlogy(x: ArrayLike, y: ArrayLike) -> Array:
     """
     x, y = jnp.broadcast_arrays(*_k.as_inexact(x, y))
     return _xlogy(x, y)
-
-
-@jax.custom_jvp
-def _xlog1py(x, y):
-    return jnp.where((x != 0) | jnp.isnan(y), x * _k.log1p(y), 0.0)
-
-
-@_xlog1py.defjvp
-def _xlog1py_jvp(primals, tangents):
-    (x, y), (tx, ty) = primals, tangents
-    zero = x == 0
-    dy = jnp.where(zero, 0.0, x / (1.0 + jnp.where(zero, 0.0, y)))
-    return _xlog1py(x, y), tx * _k.log1p(y) + ty * dy
 
 
 @_op("xlog1py")

@@ -40,6 +40,18 @@ def where0(cond: Array, x: Array, fill: float = 1.0) -> Array:
     return jnp.where(cond, x, fill)
 
 
+def slope_jvp(fn: Any, slope: Callable[[Array], Array]) -> None:
+    """Gives ``fn``, a ``jax.custom_jvp`` of one array, the derivative ``slope``: ``(fn(x), t * slope(x))``.
+
+    Higher orders differentiate ``slope`` (which may be a ``custom_jvp`` too).
+    """
+
+    @fn.defjvp
+    def fn_jvp(primals: tuple[Array], tangents: tuple[Array]) -> tuple[Array, Array]:
+        (x,), (t,) = primals, tangents
+        return fn(x), t * slope(x)
+
+
 def norm_axes(axis: Any, ndim: int) -> tuple[int, ...]:
     if axis is None:
         return tuple(range(ndim))
@@ -74,3 +86,21 @@ def pow2_floor(m: jax.Array) -> jax.Array:
     ok = jnp.isfinite(m) & (m > 0)
     _, e = jnp.frexp(jnp.where(ok, m, 1.0))
     return jnp.where(ok, jnp.ldexp(jnp.ones_like(m), e - 1), 1.0)
+
+
+def scaled_pair(x: Array, y: Array, y_fill: float) -> tuple[Array, Array, Array, Array, Array]:
+    """``(m, ok, s, x / s, y / s)``, for a derivative of ``(x, y)`` that squares them.
+
+    ``m = max(|x|, |y|)``; ``s`` is the largest power of two ``<= m``
+    (:func:`pow2_floor`): dividing by it is exact and brings ``m`` into
+    [1, 2), so the squares and their sum neither overflow nor underflow.
+    Where ``m`` is 0 or not finite (``ok`` false) the quotients are ``1`` and
+    ``y_fill``, for the caller to replace. They leave through an optimization
+    barrier, which stops XLA from merging a later ``(x / s) / d`` into
+    ``x / (s d)``, which overflows.
+    """
+    m = jnp.maximum(jnp.abs(x), jnp.abs(y))
+    ok = jnp.isfinite(m) & (m > 0)
+    scale = pow2_floor(jnp.where(ok, m, 1.0))
+    xs, ys = lax.optimization_barrier((jnp.where(ok, x, 1.0) / scale, jnp.where(ok, y, y_fill) / scale))
+    return m, ok, scale, xs, ys
