@@ -1,7 +1,9 @@
 """Checks what a rule returned against what the op needs, and normalises it.
 
 Every check raises :class:`GradkitError` naming the rule, the op and the user's
-source line, and saying what was expected and what was got.
+source line, and saying what was expected and what was got. :func:`check_leaf`
+and :func:`match_leaves` also check what a ``custom_gradient`` / ``custom_jvp``
+closure returned (``function_gradients.call``), named by its function.
 """
 
 from __future__ import annotations
