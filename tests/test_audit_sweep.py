@@ -135,3 +135,36 @@ def test_a_key_is_listed_as_not_varied_and_does_not_block_ok():
     rec = {i.input: i for i in r.sweep.inputs}
     assert rec["key"].kind == "key" and not rec["key"].varied
     assert "key: not varied: a PRNG key" in str(r)
+
+
+def _sharded(x):
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+    return jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d")))
+
+
+def test_the_sweep_compiles_once_whatever_the_inputs_types():
+    """Probes keep each input's whole type (weak type, sharding): the loss is traced a fixed number of times,
+    not once per probe. A strong probe for a weakly typed input used to re-trace (and re-compile) every time."""
+    inputs = {
+        "weakly typed": ({f"w{i}": jnp.full((2,), 1.0 + i) for i in range(12)}, 0.5),  # jnp.full and a float
+        "strong": ({f"w{i}": jnp.ones((2,), jnp.float32) * (1 + i) for i in range(12)}, jnp.float32(0.5)),
+        "sharded": ({f"w{i}": _sharded(jnp.arange(8.0) + i) for i in range(12)}, jnp.float32(0.5)),
+    }
+    for kind, (params, scale) in inputs.items():
+        assert jnp.full((2,), 1.0).weak_type  # the premise of the first case
+        traces = []
+
+        def loss(params, scale):
+            traces.append(1)
+            return scale * sum(jnp.sum(jnp.tanh(w)) for w in params.values())
+
+        traces.clear()
+        plain = gk.audit(loss, params, scale)
+        base = len(traces)
+        traces.clear()
+        r = gk.audit(loss, params, scale, sweep=True)
+        probes = sum(len(i.probes) for i in r.sweep.inputs)
+        assert r.finite and not r.sweep and probes > 40, kind
+        # the audit's own traces, plus one for the sweep's compiled function: not one per probe
+        assert len(traces) <= base + 2, (kind, len(traces), base, probes)
+        assert plain.finite

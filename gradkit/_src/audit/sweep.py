@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
+from gradkit._src import compat
 from gradkit._src.audit.program import Program
 from gradkit._src.audit.report import Finding, Probe
 from gradkit._src.checks.describe import fmt_index, one_line
@@ -360,9 +361,11 @@ def sweep(prog: Program, progress: Callable[[int, int, str], None] | None,
         dyn = list(prog.dyn)
         hv: list[ArrayLike] = list(base_held)
         if p.leaf in dyn_at:
-            dyn[dyn_at[p.leaf]] = jnp.asarray(p.value)
+            k = dyn_at[p.leaf]
+            dyn[k] = compat.typed_like(p.value, dyn[k])  # the input's weak type and sharding: no new trace
         else:
-            hv[held.index(p.leaf)] = jnp.asarray(p.value)
+            k = held.index(p.leaf)
+            hv[k] = compat.typed_like(p.value, hv[k])
         return dyn, hv
 
     for k, p in enumerate(plan):

@@ -93,6 +93,7 @@ from gradkit._src.compat.jaxprs import (
     trace_context,
     trace_jit,
     type_key,
+    typed_like,
     while_layout,
 )
 from gradkit._src.compat.layers import (
@@ -126,7 +127,7 @@ __all__ = [
     "JaxprEqn", "NAMED_OP_PREFIX", "Tracer", "add_note", "aval_of", "bind", "bind_primitive", "body_context",
     "call_equation", "cond_layout", "detach_consts", "eqn_name", "eval_jaxpr", "eval_open", "float0_zeros",
     "is_custom_derivative", "is_forward_mode_of_custom_vjp_error", "is_forward_mode_tracer", "is_jaxpr",
-    "is_jit", "is_literal", "is_opaque", "is_shard_map", "is_weakly_typed", "jaxpr_parts",
+    "is_jit", "is_literal", "is_opaque", "is_shard_map", "is_weakly_typed", "typed_like", "jaxpr_parts",
     "primitive_by_name", "read_atom", "register_cache", "replace_eqns", "rule_registries_snapshot",
     "rule_target", "rule_wrapper_name", "scan_layout", "single_equation", "struct_like", "struct_of", "trace",
     "trace_avals", "trace_context", "trace_jit", "type_key", "while_layout",

@@ -17,6 +17,7 @@ from jax._src import shard_map as _shard_map
 from jax._src import util as _jax_util
 from jax._src.config import trace_context as _jax_trace_context
 from jax._src.interpreters import partial_eval as _pe
+from jax._src.lax import lax as _lax_internal
 from jax.extend import core as jex_core
 from jax.interpreters import ad as _ad
 from jax.interpreters import batching as _batching
@@ -376,6 +377,24 @@ def is_weakly_typed(x: Any) -> bool:
     if not isinstance(x, (jax.Array, Tracer)):
         return False
     return bool(getattr(aval_of(x), "weak_type", False))
+
+
+def typed_like(value: Any, ref: Any) -> jax.Array:
+    """``value`` (same shape and dtype as ``ref``) as an array of ``ref``'s whole type: weak type and placement.
+
+    A value put in the place of an input (an audit sweep's probe) then keeps
+    the compiled function's signature: a jitted function keys its cache on
+    the weak type and the sharding, so a strong probe for a weakly typed
+    input (``jnp.full(n, 1.0)``, a Python float) would trace and compile
+    again per probe.
+    """
+    out = jax.numpy.asarray(value)
+    if is_weakly_typed(ref) != is_weakly_typed(out):
+        out = _lax_internal._convert_element_type(out, out.dtype, weak_type=is_weakly_typed(ref))
+    sharding = getattr(ref, "sharding", None)
+    if isinstance(ref, jax.Array) and sharding is not None and out.sharding != sharding:
+        out = jax.device_put(out, sharding)
+    return out
 
 
 # JAX's errors for Python control flow / conversions on a traced value.
