@@ -20,7 +20,7 @@ from gradkit.cli import UsageError, main, parse_spec
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 SCRIPT = shutil.which("gradkit", path=os.path.dirname(sys.executable))  # the console script of this venv
-README = os.path.join(ROOT, "README.md")
+GUIDE = os.path.join(ROOT, "docs", "guide-diagnose.md")  # the CLI guide, moved out of the README
 FLAX_COMMAND = "gradkit audit examples/flax_attention.py:loss --args-from examples/flax_attention.py:make_inputs"
 
 
@@ -86,21 +86,22 @@ def model_file(tmp_path_factory):
     return str(path)
 
 
-# --------------------------------------------------------------------------- the README's Flax block
+# --------------------------------------------------------------------------- the guide's Flax block
 
 
-def test_readme_flax_command_runs_as_written():
-    """The README's CLI block audits a Flax linen model from the terminal; the report names the NaN's birth."""
+def test_guide_flax_command_runs_as_written():
+    """docs/guide-diagnose.md's CLI block audits a Flax linen model from the terminal; the report names the NaN's
+    birth."""
     pytest.importorskip("flax")  # in the `test` extra: CI's newest-JAX run always has it
-    with open(README, encoding="utf-8") as f:
-        readme = f.read()
-    blocks = re.findall(r"```bash\n(.*?)```", readme, re.S)
+    with open(GUIDE, encoding="utf-8") as f:
+        guide = f.read()
+    blocks = re.findall(r"```bash\n(.*?)```", guide, re.S)
     (line,) = [ln for b in blocks for ln in b.splitlines() if ln.startswith("gradkit audit examples/flax_attention")]
     assert line == FLAX_COMMAND  # as written: no prompt, no comment, runnable from the repository root
     with open(os.path.join(ROOT, "examples", "flax_attention.py"), encoding="utf-8") as f:
         softmax_line = next(i for i, text in enumerate(f, 1) if "jax.nn.softmax(scores" in text)
-    # the line number the README promises is the example's softmax line
-    assert f"`examples/flax_attention.py:{softmax_line}`" in readme
+    # the line number the guide promises is the example's softmax line
+    assert f"`examples/flax_attention.py:{softmax_line}`" in guide
 
     p = gradkit(*shlex.split(line)[1:])
     assert p.returncode == 1, (p.stdout, p.stderr)  # a finding remains

@@ -244,8 +244,16 @@ def test_fn_keys_default_the_op_of_family_rules():
         gk.RuleTable({"fn:sqrtt": "safe"})
 
 
-def test_pyproject_declares_tomli_for_old_pythons():
+def test_the_supported_pythons_agree_everywhere():
+    """JAX 0.8 and later need Python 3.11: pyproject, the linters' targets and the README say one thing (tomllib
+    is then always in the standard library, so RuleTable.from_toml needs no extra package)."""
     import pathlib
     import re
-    text = (pathlib.Path(__file__).parent.parent / "pyproject.toml").read_text()
-    assert re.search(r'"tomli>=[0-9.]+; python_version < \'3.11\'"', text)
+    import tomllib
+    root = pathlib.Path(__file__).parent.parent
+    project = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))
+    assert project["project"]["requires-python"] == ">=3.11"
+    assert not [d for d in project["project"]["dependencies"] if d.startswith("tomli")]
+    assert project["tool"]["ruff"]["target-version"] == "py311"
+    assert project["tool"]["mypy"]["python_version"] == "3.11"
+    assert re.search(r"\*\*Supported:\*\* Python 3\.11–3\.13\b", (root / "README.md").read_text(encoding="utf-8"))

@@ -25,6 +25,16 @@ def test_the_readme_has_python_blocks():
     assert len(BLOCKS) >= 4
 
 
+def test_the_readme_reads_in_five_minutes():
+    """Set-up, the guide, a handful of examples and links; the long sections live in docs/ (tested there)."""
+    lines = README.read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 250, f"README.md is {len(lines)} lines: move a long section to a page in docs/"
+    setup = lines.index("## Set up (fresh machine)")
+    guide = next(i for i, s in enumerate(lines) if s.startswith("## Guide"))
+    commands = [i for i, s in enumerate(lines) if s.startswith("python3 -m venv .venv && ")]
+    assert setup < 30 and len(commands) == 2 and all(setup < i < guide for i in commands)  # the commands come first
+
+
 @pytest.mark.parametrize("i", range(len(BLOCKS)))
 def test_block_runs_as_written(i):
     _run(BLOCKS[i])
