@@ -2,13 +2,13 @@
 
 A reference comparison for issue 28, not part of CI and not a test. It needs
 PyTorch, Zennit and Captum next to JAX, so it runs from a separate virtual
-environment (kept outside the repository), e.g.::
+environment (kept outside the repository), e.g., from the repository's root::
 
-    /work/main/.venv/bin/python -m venv /work/venv-torch
-    /work/venv-torch/bin/pip install torch zennit captum
-    # JAX and gradkit's dependencies from the project's venv (same Python), gradkit from the checkout:
-    PYTHONPATH=/work/main:/work/main/.venv/lib/python3.13/site-packages \
-        /work/venv-torch/bin/python benchmarks/attribution_vs_zennit.py [--quick] [--out PATH]
+    python -m venv ../venv-torch   # with the project's environment active: the same Python
+    ../venv-torch/bin/pip install torch zennit captum
+    # JAX and gradkit's dependencies from the project's environment, gradkit from the checkout:
+    PYTHONPATH=.:$(python -c "import sysconfig; print(sysconfig.get_path('purelib'))") \
+        ../venv-torch/bin/python benchmarks/attribution_vs_zennit.py [--quick] [--out PATH]
 
 What it does:
 

@@ -8,10 +8,12 @@ out). The loss masks the padding with ``jnp.where``, so the loss stays finite,
 but ``log`` of the padded rows' zero probability makes the gradient NaN: the
 "where trap". Steps 1 to 300 are fine; step 301 is the first padded batch.
 
-``gk.guard`` replaces ``jax.value_and_grad`` inside the jitted step. It costs
-one fused finiteness check per step; when the check fails it audits exactly
-that step's inputs and raises with the report: the primitive, the source
-line, the elements and a fix, re-run and checked against finite differences.
+``gk.guard`` replaces ``jax.value_and_grad`` inside the jitted step, and the
+step is called through ``guarded.wrap``. It costs one fused finiteness check
+per step; when the check fails it audits exactly that step's inputs and
+raises ``gk.NonFiniteGradientError`` with the report: the primitive, the
+source line, the step, the elements and a fix, re-run and checked against
+finite differences.
 The fix (``gk.tables.SAFE``, no change to the loss) is applied and training
 runs to the end.
 """
@@ -60,6 +62,7 @@ def train(guarded, epochs=1):
     """Trains with ``guarded`` (a ``gk.guard``) in the jitted step; returns (params, steps run, last loss)."""
     opt = optax.adam(1e-2)
 
+    @guarded.wrap  # a bad step raises gk.NonFiniteGradientError; the reports number the steps
     @jax.jit
     def step(params, state, x, labels, mask):
         value, grads = guarded(params, x, labels, mask)  # where jax.value_and_grad(loss) was
@@ -73,12 +76,8 @@ def train(guarded, epochs=1):
     for _ in range(epochs):
         for xb, yb, mb in batches(x, y):
             n += 1
-            try:
-                params, state, value = step(params, state, xb, yb, mb)
-                value = float(value)  # the step's results are first used here: a failed check raises here
-            except guarded.step_errors:
-                print(f"   step {n} raised; the guard's report:")
-                raise
+            params, state, value = step(params, state, xb, yb, mb)
+            value = float(value)
     return params, n, value
 
 
@@ -94,11 +93,12 @@ def main():
     try:
         train(guarded)
         raise SystemExit("expected the padded batch to break the gradient")
-    except guarded.step_errors:
-        report = guarded.reports[0]
+    except gk.NonFiniteGradientError as e:
+        report = e.reports[0]
         print(report)
     finding = report.audit.findings[0]
-    assert finding.op == "log" and report.audit.findings[0].root.elements, "the report names log and the rows"
+    assert finding.op == "log" and finding.root.elements, "the report names log and the rows"
+    assert report.call == FULL_BATCHES + 1, "the first padded batch"
 
     print("\n2. the suggested fix, no change to the loss: gk.override(loss, gk.tables.SAFE)")
     fixed = gk.guard(gk.override(loss, gk.tables.SAFE))

@@ -11,11 +11,11 @@ every gradient finite, 1 a finding remains, 2 bad arguments or inputs (one
 line on stderr starting with ``[gradkit]`` per problem, no traceback).
 """
 
-from gradkit._src.cli.main import SPEC_HELP as SPEC_HELP
-from gradkit._src.cli.main import UsageError as UsageError
+from gradkit._src.cli.inputs import SPEC_HELP as SPEC_HELP
+from gradkit._src.cli.inputs import UsageError as UsageError
+from gradkit._src.cli.inputs import parse_spec as parse_spec
 from gradkit._src.cli.main import build_parser as build_parser
 from gradkit._src.cli.main import main as main
-from gradkit._src.cli.main import parse_spec as parse_spec
 from gradkit._src.cli.main import rule_catalog as rule_catalog
 
 __all__ = [

@@ -2,9 +2,11 @@
 leaves, each element once under the user's name for it, the fix in the user's own spelling (issue 29.2, 4-6)."""
 
 import os
+import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import gradkit as gk
@@ -162,3 +164,55 @@ def test_a_fix_not_re_run_claims_nothing():
     assert "re-run    not re-run, so not verified" in str(r)
     r = gk.audit(loss, jnp.array([0.0, 1.0]))
     assert r.findings[0].fix.verdict().startswith("verified: gradient finite")
+
+
+# --------------------------------------------------------------------------- a library function's values: never a bare x
+
+
+def _bad_sqrt_rule():
+    return {"sqrt": gk.vjp_rule(lambda op, g: (g * 0.5 / op.outputs[0],), name="naive_sqrt")}
+
+
+# The user's argument is `x` in each; every NaN/inf is born inside the library function the line calls: a jitted
+# one (norm), one whose code the line's call runs (logsumexp), the body of a jit with a private name (std), and
+# a table's rule applied inside one (norm with a rule for its sqrt).
+LIBRARY_CASES = {
+    "norm": (lambda x: jnp.linalg.norm(x), jnp.zeros((2, 2)), None),
+    "norm over an axis": (lambda x: jnp.sum(jnp.linalg.norm(x, axis=-1)), jnp.array([[0.0, 0.0], [3.0, 4.0]]),
+                          None),
+    "logsumexp": (lambda x: jax.nn.logsumexp(x), jnp.full(3, -jnp.inf), None),
+    "std": (lambda x: jnp.std(x), jnp.ones(3), None),
+    "a rule inside norm": (lambda x: jnp.linalg.norm(x), jnp.zeros(3), "rule"),
+}
+
+
+@pytest.mark.parametrize("case", list(LIBRARY_CASES))
+def test_a_value_inside_a_library_function_is_named_as_its_operand_not_as_the_users_x(case):
+    """Issue 38.4: `elements [0,0]: x = 0` named norm's inner operand as if it were the user's own `x`."""
+    f, x, table = LIBRARY_CASES[case]
+    r = gk.audit(f, x, fix=False, table=_bad_sqrt_rule() if table else None)
+    steps = [s for finding in r.findings for s in finding.chain]
+    assert steps, str(r)
+    user_x = np.asarray(x)
+    for s in steps:
+        assert not re.search(r"\bx\b", s.message), (case, s.message)  # "∂sqrt = inf (at 0)", not "(at x = 0)"
+        for e in s.elements:
+            for name, value in e.values:
+                if name == "x":  # only where the operand is the audited input itself, at that element
+                    assert len(e.index) == user_x.ndim and user_x[e.index] == value, (case, str(e))
+                else:
+                    assert name.startswith(f"`{s.op}`'s operand") or name == f"result of `{s.op}`", (case, str(e))
+    elements = [ln for ln in str(r).splitlines() if ln.lstrip().startswith("elements  ")]
+    assert elements and not any(re.search(r"(  |, )(\[[\d,]+\]: )?x = ", ln) for ln in elements), elements
+
+
+def test_norms_inner_operand_is_named_with_the_function_it_is_in():
+    r = gk.audit(lambda x: jnp.linalg.norm(x), jnp.zeros((2, 2)), fix=False)
+    root = r.findings[0].root
+    assert [str(e) for e in root.elements] == ["`sqrt`'s operand in `norm` = 0"]
+    assert root.message == "backward of `sqrt`: cotangent 1 × ∂sqrt = inf (at 0) gave inf"
+    assert "elements  `sqrt`'s operand in `norm` = 0" in str(r)
+    # the user's own line keeps the user's names and the derivative's usual notation
+    own = gk.audit(lambda x: jnp.sqrt(jnp.sum(x * x)), jnp.zeros(2), fix=False).findings[0].root
+    assert own.message.startswith("backward of `sqrt`: cotangent 1 × ∂sqrt/∂x = inf (at x = 0)")
+    assert [str(e) for e in own.elements] == ["jnp.sum(x * x) = 0"]

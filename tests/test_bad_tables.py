@@ -149,3 +149,67 @@ def test_good_configs_fingerprint_equally_and_empty_config_is_plain_jax(tmp_path
     empty = gk.RuleTable.from_toml(tmp_path / "empty.toml")
     assert len(empty) == 0
     np.testing.assert_array_equal(jax.grad(gk.override(loss, empty))(X), jax.grad(loss)(X))
+
+
+# --------------------------------------------------------------------------- a misspelt rule name: names valid there
+
+
+def _library():
+    from gradkit._src.rules.library import FAMILIES, LIBRARY
+
+    ops = {key for family in FAMILIES.values() for record in family.values() for key in record.keys}
+    return LIBRARY, sorted(ops | {"round", "sign", "fn:my_function"})  # and ops no family covers
+
+
+def _accepted(rule, op, library):
+    """Does a table accept library rule ``rule`` for ``op`` (its required parameters given)?"""
+    required = {p.name: 1.0 for p in library[rule].params if p.required}
+    try:
+        gk.RuleTable({op: {"rule": rule, **required} if required else rule})
+    except gk.GradkitError:
+        return False
+    return True
+
+
+def _suggested(entry, op):
+    with pytest.raises(gk.GradkitError, match="unknown rule") as e:
+        gk.RuleTable({op: entry})
+    m = re.search(r"\(did you mean (.*?)\?\)", str(e.value))
+    return re.findall(r"'([^']*)'", m.group(1)) if m else []
+
+
+def _misspellings(name):
+    out = {name[:k] + name[k + 1:] for k in range(len(name))}  # a letter left out
+    out |= {name[:k] + name[k + 1] + name[k] + name[k + 2:] for k in range(len(name) - 1)}  # two swapped
+    return sorted(out - {name})
+
+
+def test_a_misspelt_rule_name_suggests_only_rules_valid_for_the_op():
+    """Issue 38.4: RuleTable({"round": "ste"}) suggested 'stable', which has no rule for round."""
+    assert _suggested("ste", "round") == []
+    assert _suggested("stabel", "round") == [] and _suggested("stabel", "softplus") == ["stable"]
+    library, ops = _library()
+    typos = sorted({t for name in library for t in _misspellings(name)} | {"ste", "sfe", "stabel"})
+    valid = {(r, op): _accepted(r, op, library) for r in library for op in ops}
+    assert all(valid[r, "round"] == (not library[r].op_dependent) for r in library)
+    checked = 0
+    for op in ops:
+        for typo in typos:
+            if typo in library:
+                continue
+            for s in _suggested(typo, op):
+                assert valid[s, op], f"{op!r}: {typo!r} suggests {s!r}, which is not a rule for {op!r}"
+                checked += 1
+        # and every rule valid for the op is still suggested for its own misspelling
+        for r in library:
+            if valid[r, op]:
+                assert r in _suggested(r[:-1], op), (op, r)
+    assert checked > 1000
+
+
+def test_a_misspelt_rule_name_with_parameters_suggests_rules_that_take_them():
+    assert _suggested({"rule": "clamped_lgo", "eps": 1e-30}, "log") == ["clamped_log", "clamped_sqrt"]
+    assert _suggested({"rule": "zeor", "eps": 1e-30}, "log") == []  # `zero` has no eps
+    # an explicit op: the family rules that cover it, for an entry named anything
+    assert _suggested({"rule": "stabel", "op": "softplus"}, "fn:my_softplus") == ["stable"]
+    assert _suggested({"rule": "stabel", "op": "log"}, "fn:my_log") == ["safe"]

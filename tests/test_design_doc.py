@@ -93,3 +93,48 @@ def test_public_modules_only_reexport():
         tree = ast.parse(path.read_text(encoding="utf-8"))
         defined = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))]
         assert not defined, f"{path.name} defines {[d.name for d in defined]}: move them under gradkit/_src"
+
+
+def _module_imports(path: Path) -> set[str]:
+    """The gradkit modules a file imports, anywhere in it (`if TYPE_CHECKING:` blocks and functions too)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "gradkit":
+            for a in node.names:  # `from gradkit._src.core import walk` imports the module walk
+                sub = f"{node.module}.{a.name}"
+                is_module = (ROOT / Path(*sub.split("."))).with_suffix(".py").exists() or \
+                    (ROOT / Path(*sub.split("."))).is_dir()
+                out.add(sub if is_module else node.module)
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.split(".")[0] == "gradkit"}
+    return out
+
+
+def _cycles(package: str) -> list[list[str]]:
+    """Import circles among the modules of one `_src` package (each as the list of its modules)."""
+    base = SRC / package
+    names = {".".join(p.relative_to(ROOT).with_suffix("").parts): p for p in base.rglob("*.py")
+             if p.name != "__init__.py"}
+    graph = {m: sorted(_module_imports(p) & set(names)) for m, p in names.items()}
+    found, state = [], {}
+
+    def visit(m, stack):
+        state[m] = 1
+        for n in graph[m]:
+            if state.get(n) == 1:
+                found.append(stack[stack.index(n):] + [n])
+            elif n not in state:
+                visit(n, stack + [n])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    return found
+
+
+def test_core_has_no_import_circle():
+    # dispatch hands nnx_state what it needs (nnx_state.Route) instead of nnx_state importing dispatch back,
+    # even for type checking: a circle there is one a refactor can no longer untangle module by module.
+    assert _cycles("core") == [], "import circles in gradkit/_src/core"
+    assert _cycles("compat") == [], "import circles in gradkit/_src/compat"

@@ -311,6 +311,15 @@ def test_strict_sees_ops_inside_control_flow():
     gk.override(fn, {"sqrt": SAFE_SQRT}, strict=True)(jnp.arange(3.0))
 
 
+def test_strict_takes_a_shipped_table_as_one_unit():
+    # SAFE has a rule for dozens of ops; a program using one of them is what the user meant.
+    gk.override(guarded_sqrt, gk.tables.SAFE, strict=True)(X)
+    with pytest.raises(gk.GradkitError, match=r"(?s)^\[gradkit\] override\(.*<lambda>, strict=True\): checked 1 "
+                       r"shipped table unit as a whole \(gk\.tables\.SAFE: .*gk\.tables\.SAFE: none of its \d+ "
+                       r"rules matches an op of the program \(its ops: reduce_sum, sin\)"):
+        gk.override(lambda x: jnp.sum(jnp.sin(x)), gk.tables.SAFE, strict=True)(X)
+
+
 def test_ten_thousand_rules():
     table = gk.RuleTable({f"no_such_op_{i}": SAFE_SQRT for i in range(10_000)}) | {"sqrt": SAFE_SQRT}
     assert len(table) == 10_001
@@ -340,3 +349,76 @@ def test_override_bad_arguments():
         gk.override(3, {})
     with pytest.raises(gk.GradkitError, match="needs a rule table"):
         gk.override(guarded_sqrt)
+
+
+# --------------------------------------------------------------------------- jax.jit's ahead-of-time stages
+
+
+def _costs(compiled):
+    ca = compiled.cost_analysis()
+    return ca[0] if isinstance(ca, list) else ca  # a list of one dict on some JAX versions
+
+
+def test_lower_compiles_the_rewritten_program_bit_for_bit():
+    fixed = gk.override(guarded_sqrt, {"sqrt": SAFE_SQRT})
+    lowered = fixed.lower(X)
+    compiled = lowered.compile()
+    assert isinstance(lowered, jax.stages.Lowered) and isinstance(compiled, jax.stages.Compiled)
+    np.testing.assert_array_equal(compiled(X), fixed(X))
+    np.testing.assert_array_equal(compiled(X), jax.jit(guarded_sqrt)(X))
+    assert fixed.cache_info().traces == 1  # lower, compile and the call share one trace
+    assert "stablehlo.sqrt" in lowered.as_text()
+    plain = _costs(jax.jit(guarded_sqrt).lower(X).compile())
+    costs = _costs(compiled)
+    assert costs["flops"] == plain["flops"] > 0 and costs["transcendentals"] == plain["transcendentals"]
+
+
+def test_trace_is_the_rewritten_program_and_lowers_to_its_gradient():
+    fixed = gk.override(guarded_sqrt, {"sqrt": SAFE_SQRT})
+    traced = fixed.trace(X)
+    assert isinstance(traced, jax.stages.Traced)
+    assert "custom_vjp_call" in str(traced.jaxpr)
+    assert "custom_vjp_call" not in str(jax.jit(guarded_sqrt).trace(X).jaxpr)
+    np.testing.assert_array_equal(traced.lower().compile()(X), jax.jit(guarded_sqrt)(X))
+    # what a user lowers to see the rule: the gradient
+    g, plain = (jax.jit(jax.grad(f)).lower(X).compile()(X) for f in (fixed, guarded_sqrt))
+    assert g[0, 0] == 0.0 and np.isnan(plain[0, 0])
+    np.testing.assert_array_equal(g[X > 0], plain[X > 0])
+
+
+def test_stages_take_static_arguments_as_a_call_does():
+    def fn(x, c, *, mode):
+        return jnp.sum(x / c) if mode == "sum" else x / c
+
+    fixed = gk.override(fn, {"sqrt": SAFE_SQRT})
+    for c in (2.0, 0.0, -0.0):  # 0.0 and -0.0 are equal in Python and different programs (inf vs -inf)
+        for mode in ("sum", "each"):
+            compiled = fixed.lower(X, c, mode=mode).compile()  # statics are left out of the compiled call
+            np.testing.assert_array_equal(compiled(X), fixed(X, c, mode=mode))
+            # a fresh jax.jit per value: jax.jit's own cache takes -0.0 for 0.0 (they compare equal)
+            np.testing.assert_array_equal(compiled(X), jax.jit(lambda x, c=c, mode=mode: fn(x, c, mode=mode))(X))
+    spec = jax.ShapeDtypeStruct(X.shape, X.dtype)  # AOT from a shape alone
+    np.testing.assert_array_equal(fixed.lower(spec, 3.0, mode="each").compile()(X), fixed(X, 3.0, mode="each"))
+    assert fixed.trace(spec, 3.0, mode="sum").jaxpr.in_avals == [jax.core.ShapedArray(X.shape, X.dtype)]
+
+
+def test_eval_shape_gives_jax_shape_dtype_structs():
+    fixed = gk.override(lambda p, x, label: {"y": jnp.tanh(p["w"] @ x), label: x.sum()}, gk.tables.SAFE)
+    p = {"w": jnp.ones((2, 4)), "name": "dense"}  # a string leaf: static, as in a call
+    out = fixed.eval_shape(p, jax.ShapeDtypeStruct((4,), jnp.float32), "total")
+    assert out == {"y": jax.ShapeDtypeStruct((2,), jnp.float32), "total": jax.ShapeDtypeStruct((), jnp.float32)}
+    assert fixed.cache_info().traces == 1
+
+
+def test_stages_refuse_what_jax_jit_cannot_take_with_gradkit_errors():
+    fixed = gk.override(lambda p, n: p["w"] * n, gk.tables.SAFE)
+    p = {"w": jnp.ones(3), "act": jnp.tanh}
+    with pytest.raises(gk.GradkitError, match=r"^\[gradkit\] override\(.*<lambda>\)\.lower: argument p mixes arrays "
+                       r"with a non-array leaf \(p\['act'\] is \w+\)\..*functools\.partial"):
+        fixed.lower(p, 2)
+    with pytest.raises(gk.GradkitError, match=r"^\[gradkit\] override\(.*<lambda>\)\.trace: argument n \(list\) is "
+                       r"not an array and not hashable"):
+        fixed.trace({"w": jnp.ones(3)}, [2])
+    with pytest.raises(gk.GradkitError, match=r"^\[gradkit\] override\(f\)\.trace: jax\.jit functions of this JAX "
+                       r"\(.*\) have no \.trace.*Use \.lower"):
+        compat.staged(object(), "trace", "override(f)")

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import gradkit as gk
 from meshes import make_mesh
-from gradkit._src.guard import guard as guard_mod
+from gradkit._src.guard import audits as audits_mod
 
 
 def mlp_loss(params, x, y):
@@ -57,13 +57,13 @@ def assert_same(a, b):
 def spy(monkeypatch):
     """Counts the host callbacks (the bad path) of every guard."""
     calls = []
-    original = guard_mod.Guard._on_bad
+    original = audits_mod.Auditor.on_bad
 
     def counted(self, *a):
         calls.append(a)
         return original(self, *a)
 
-    monkeypatch.setattr(guard_mod.Guard, "_on_bad", counted)
+    monkeypatch.setattr(audits_mod.Auditor, "on_bad", counted)
     return calls
 
 
@@ -123,7 +123,8 @@ def test_raise_mode_eager_raises_gradkit_error_with_the_report():
     with pytest.raises(gk.NonFiniteGradientError, match=r"^\[gradkit\] guard\(log_loss\)") as info:
         g(jnp.ones(3), jnp.array([1.0, 0.0, 2.0]))
     text = str(info.value)
-    assert "call 1" in text and "`log`" in text and "test_guard.py" in text and "gk.tables.SAFE" in text
+    assert "(step 1, loss = " in text.splitlines()[0]
+    assert "`log`" in text and "test_guard.py" in text and "gk.tables.SAFE" in text
     assert isinstance(info.value, gk.GradkitError) and len(info.value.reports) == 1
     assert g.reports[0].call == 1 and g.calls == 1
 
@@ -186,7 +187,7 @@ def test_reports_wait_for_dispatched_steps():
     step(jnp.ones(3), jnp.array([0.0, 1.0, 1.0]))  # not blocked on
     (r,) = g.reports
     assert r.call is None and r.batch_index == ()
-    assert "a compiled call" in r.headline and "born at" in str(r)
+    assert r.headline.startswith("NaN/inf born at `log`, ") and r.headline.endswith("(a compiled step, loss = 0)")
 
 
 def test_fix_from_the_report_makes_the_guard_silent(spy):
@@ -215,13 +216,13 @@ def test_nonfinite_loss_alone_is_caught(maybe_jit):
 def audits(monkeypatch):
     """Weak references to the host copies each audit ran from, one list per audit."""
     runs = []
-    original = guard_mod.Guard._audit
+    original = audits_mod.Auditor.audit
 
     def spied(self, call, index, loss, split, dyn, note=""):
         runs.append([weakref.ref(x) for x in dyn if isinstance(x, np.ndarray)])
         return original(self, call, index, loss, split, dyn, note)
 
-    monkeypatch.setattr(guard_mod.Guard, "_audit", spied)
+    monkeypatch.setattr(audits_mod.Auditor, "audit", spied)
     return runs
 
 
@@ -279,7 +280,7 @@ def test_distinct_findings_get_their_own_report(maybe_jit, audits):
     for x, y in [(hole, ones), (hole, ones), (ones, hole), (hole, ones), (hole, ones), (ones, hole)]:
         jax.block_until_ready(step(ones, x, y))
     log, sqrt = g.reports  # in the order first seen; the 5th and 6th bad calls were not audited
-    assert guard_mod.MAX_REPORTS == 4 and len(audits) == 4 and g.bad_calls == 6
+    assert audits_mod.MAX_REPORTS == 4 and len(audits) == 4 and g.bad_calls == 6
     assert [f.op for f in log.audit.findings] == ["log"] and log.repeats == 2
     assert [f.op for f in sqrt.audit.findings] == ["sqrt"] and sqrt.repeats == 0
     assert "test_guard.py" in log.audit.findings[0].location
@@ -324,8 +325,8 @@ def test_reports_wait_only_for_the_capped_audits(monkeypatch, audits):
         time.sleep(slow_s)
         return real_audit(*a, **k)
 
-    real_audit = guard_mod.audit
-    monkeypatch.setattr(guard_mod, "audit", slow_audit)
+    real_audit = audits_mod.audit
+    monkeypatch.setattr(audits_mod, "audit", slow_audit)
     g = gk.guard(log_loss, on_nonfinite="skip", max_reports=2)
     step = jax.jit(g)
     bad = 12

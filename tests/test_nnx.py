@@ -240,13 +240,39 @@ def test_change_that_cannot_be_written_back_raises(transform):
     assert_same(model, before)  # nothing half-written
 
 
+# --------------------------------------------------------------------------- jax.jit's stages, as nnx.jit's
+
+
+def test_lower_and_compile_take_modules_as_nnx_jit_does():
+    model, ref = Net(), Net()  # train mode: BatchNorm and Dropout change the state
+    f = gk.override(loss, UNMATCHED)
+    compiled = f.lower(model, X).compile()
+    ref_compiled = nnx.jit(loss).lower(ref, X).compile()
+    assert compiled.cost_analysis() is not None and "stablehlo" in f.lower(model, X).as_text()
+    for _ in range(2):  # the compiled function writes the state back, as nnx.jit's does
+        assert_same(compiled(model, X), ref_compiled(ref, X))
+        assert_same(model, ref)
+
+
+def test_trace_is_the_rewritten_program_and_eval_shape_changes_nothing():
+    model = Net()
+    before = nnx.clone(model)
+    f = gk.override(loss, gk.tables.SAFE)
+    assert f.eval_shape(model, X) == jax.ShapeDtypeStruct((), jnp.float32)
+    traced = f.trace(model, X)
+    jaxpr = str(getattr(traced, "traced", traced).jaxpr)  # flax's Traced wraps JAX's
+    plain = str(nnx.jit(loss).trace(nnx.clone(before), X).traced.jaxpr)
+    assert "gradkit_rule[rsqrt]" in jaxpr and "gradkit_rule" not in plain  # BatchNorm's rsqrt carries SAFE's rule
+    assert_same(model, before)  # eval_shape and trace left the module as it was
+
+
 # --------------------------------------------------------------------------- the non-NNX path
 
 
 def test_non_nnx_arguments_take_the_plain_path(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("NNX path taken")
-    monkeypatch.setattr(nnx_state, "call", refuse)
+    monkeypatch.setattr(nnx_state.Route, "__init__", refuse)
     f = gk.override(lambda p, x: jnp.sum(jnp.sqrt(p["w"] * x)), gk.tables.SAFE)
     p = {"w": jnp.ones(3), "b": [jnp.zeros(2), (1.0, None)]}
     assert not nnx_state.has_graph_nodes((p, jnp.ones(3)), {"scale": 2.0})

@@ -359,6 +359,81 @@ def test_strict_passes_when_every_scope_matches():
         jnp.float32(0.5))
 
 
+def enc_dec(x):
+    with jax.named_scope("enc"):
+        a = jnp.sin(x)
+    with jax.named_scope("decoder"):
+        b = jnp.sqrt(jnp.abs(a) + 1.0)
+    return jnp.sum(b)
+
+
+def _strict_error(f, table):
+    with pytest.raises(gk.GradkitError) as e:
+        gk.override(f, table, strict=True)(jnp.ones(3))
+    return str(e.value)
+
+
+def test_strict_shipped_table_within_the_right_scope_passes():
+    # SAFE has dozens of rules and the decoder uses one (sqrt): a shipped table is one unit.
+    x = jnp.ones(3)
+    for table in (gk.tables.SAFE.within("decoder"), (gk.tables.SAFE | gk.tables.STABLE).within("decoder"),
+                  gk.tables.SAFE.within("decoder") | gk.tables.STABLE.within("decoder"), gk.tables.SAFE):
+        g = jax.grad(gk.override(enc_dec, table, strict=True))(x)
+        np.testing.assert_array_equal(g, jax.grad(jax.jit(enc_dec))(x))
+
+
+def test_strict_shipped_table_within_a_wrong_scope_names_the_scope():
+    msg = _strict_error(enc_dec, gk.tables.SAFE.within("decodr"))
+    assert msg.startswith("[gradkit] override(enc_dec, strict=True): checked 1 shipped table unit as a whole "
+                          "(gk.tables.SAFE within scope 'decodr': a unit passes when some rule of it matches)"), msg
+    assert "scope 'decodr' (rules for gk.tables.SAFE) matches no equation; did you mean 'decoder'?" in msg
+    assert "fix the scope" in msg and "of yours" not in msg
+
+
+def test_strict_shipped_table_in_a_scope_without_its_ops_does_not_blame_the_scope():
+    msg = _strict_error(enc_dec, gk.tables.SAFE.within("enc"))  # enc holds only sin: no SAFE op there
+    n = len(gk.tables.SAFE)
+    assert f"gk.tables.SAFE within scope 'enc': none of its {n} rules matches an op inside the scope " \
+           "(ops inside it: sin)" in msg, msg
+    assert "fix the scope" not in msg and "matches no equation" not in msg
+    # one unit per scope: the decoder's match does not hide the encoder's miss
+    msg = _strict_error(enc_dec, gk.tables.SAFE.within("enc") | gk.tables.SAFE.within("decoder"))
+    assert "2 shipped table units" in msg and "within scope 'enc': none" in msg and "'decoder': none" not in msg
+
+
+def test_strict_user_entries_are_checked_one_by_one_and_named():
+    table = gk.RuleTable({"sin": X2, "cos": X2}).within("enc") | {"sqrtt": X2}
+    msg = _strict_error(enc_dec, table)
+    assert "checked 3 entries of yours, one by one. These matched nothing:" in msg
+    assert "'sqrtt' (did you mean 'sqrt'?)" in msg and "'enc::cos': no 'cos' inside scope 'enc'" in msg
+    assert "'enc::sin'" not in msg and "fix the scope" not in msg
+
+
+def test_strict_mixed_table_checks_the_users_entries_and_the_unit():
+    x = jnp.ones(3)
+    jax.grad(gk.override(enc_dec, gk.tables.SAFE.within("decoder") | {"sin": X2}, strict=True))(x)
+    msg = _strict_error(enc_dec, gk.tables.SAFE.within("decoder") | {"cosh": X2})
+    assert msg.startswith("[gradkit] override(enc_dec, strict=True): checked 1 entry of yours, one by one; "
+                          "1 shipped table unit as a whole (gk.tables.SAFE within scope 'decoder': "), msg
+    assert "  'cosh'" in msg and "\n  gk.tables.SAFE" not in msg  # the unit matched: only the user's entry fails
+    # a rule of the shipped table taken into the user's own dict is the user's entry: checked on its own
+    msg = _strict_error(enc_dec, {"log": gk.tables.SAFE["log"], "sqrt": gk.tables.SAFE["sqrt"]})
+    assert "'log'" in msg and "'sqrt'" not in msg.split("These matched nothing:")[1].split("Ops in")[0]
+
+
+def test_origin_is_carried_through_or_and_within_and_is_not_content():
+    t = gk.tables.SAFE.within("dec") | gk.tables.STABLE
+    assert t.origin("dec::sqrt") == "gk.tables.SAFE" and t.origin("tanh") == "gk.tables.STABLE"
+    assert gk.RuleTable(t).origin("tanh") == "gk.tables.STABLE"
+    assert t.within("Model").origin("Model/**/dec::sqrt") == "gk.tables.SAFE"
+    mine = t | {"tanh": X2}  # the user's rule replaces the shipped one: the entry is the user's now
+    assert mine.origin("tanh") is None and mine.origin("dec::sqrt") == "gk.tables.SAFE"
+    assert gk.RuleTable(dict(gk.tables.SAFE)) == gk.tables.SAFE  # equal by content whatever the origin
+    assert gk.RuleTable(dict(gk.tables.SAFE)).origin("sqrt") is None
+    assert gk.tables.upcast_backward("tanh").origin("tanh") is None  # ops the user named: the user's entries
+    assert gk.tables.broadened(eps=1e-6).origin("eigh") == "gk.tables.broadened(eps=1e-06)"
+
+
 # --------------------------------------------------------------------------- Flax linen, Equinox
 
 

@@ -50,14 +50,17 @@ def init(key):
 # %% [markdown]
 # ## Training, guarded
 #
-# The only change to a usual training step: `gk.guard(loss)` where
-# `jax.value_and_grad(loss)` was. Steps 1 to 300 run at full speed; step 301
-# is the first padded batch.
+# The only changes to a usual training step: `gk.guard(loss)` where
+# `jax.value_and_grad(loss)` was, and `@guarded.wrap` over `@jax.jit`, so
+# that a bad step raises `gk.NonFiniteGradientError` and the reports number
+# the steps. Steps 1 to 300 run at full speed; step 301 is the first padded
+# batch.
 
 # %%
 def train(guarded, epochs=1):
     opt = optax.adam(1e-2)
 
+    @guarded.wrap
     @jax.jit
     def step(params, state, x, labels, mask):
         value, grads = guarded(params, x, labels, mask)
@@ -70,24 +73,19 @@ def train(guarded, epochs=1):
     history = []
     for _ in range(epochs):
         for xb, yb, mb in batches(x, y):
-            try:
-                params, state, value = step(params, state, xb, yb, mb)
-                history.append(float(value))   # a failed check raises where the results are first used
-            except guarded.step_errors:
-                print(f"step {len(history) + 1} raised")
-                raise
+            params, state, value = step(params, state, xb, yb, mb)
+            history.append(float(value))
     return params, history
 
 guarded = gk.guard(loss)   # on_nonfinite="raise" (or "skip", "report")
 try:
     train(guarded)
-except guarded.step_errors:
-    pass
-print(guarded.reports[0])
+except gk.NonFiniteGradientError as e:
+    print(e.reports[0])
 
 # %% [markdown]
-# The report says where the NaN was born: `log` at the `jnp.where` line, for
-# the 24 padded rows (`x = 0`: their probability of the all-zero label). The loss is finite (the `where` drops those
+# The report's first line says where the NaN was born, and when: `log` at the
+# `jnp.where` line, at step 301, for the 24 padded rows (`x = 0`: their probability of the all-zero label). The loss is finite (the `where` drops those
 # rows), but the backward pass multiplies the zero cotangent by
 # `∂log/∂x = inf`: `0 × inf = NaN`. The suggested fix, `gk.tables.SAFE`, was
 # re-run by the audit and matches float64 finite differences. It needs no
@@ -120,4 +118,4 @@ assert not fixed.reports and all(jnp.isfinite(jnp.asarray(history)))
 skipping = gk.guard(loss, on_nonfinite="skip")
 params, history = train(skipping)
 print(f"{len(history)} steps, {len(skipping.reports)} skipped and reported:")
-print(skipping.reports[0].headline)
+print(skipping.reports[0].headline)   # where the NaN was born, which step, the loss

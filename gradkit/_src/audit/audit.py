@@ -30,7 +30,7 @@ from jax.typing import ArrayLike
 
 from gradkit._src import compat
 from gradkit._src.audit.activity import call_body
-from gradkit._src.audit.explain import Selection, fix_file, in_user_terms, loc, nonfinite_indices, select, step
+from gradkit._src.audit.explain import Selection, loc, nonfinite_indices, select, step
 from gradkit._src.audit.fixes import Table, choose_fix, suggest
 from gradkit._src.audit.program import Program, describe_input, gradient, make_program
 from gradkit._src.audit.provenance import AtomKey, Label, Provenance
@@ -38,6 +38,7 @@ from gradkit._src.audit.replay.leaf import mask_of
 from gradkit._src.audit.replay.replay import Birth, Replay
 from gradkit._src.audit.report import AuditReport, Coverage, Finding, Fix, Probe, Step
 from gradkit._src.audit.sweep import sweep as run_sweep
+from gradkit._src.audit.user_terms import fix_file, in_user_terms
 from gradkit._src.checks.describe import count_nonfinite, def_source, fmt, fmt_index, fn_name, one_line
 from gradkit._src.core import walk
 from gradkit._src.core.dispatch import op_name, override

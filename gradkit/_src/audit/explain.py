@@ -14,7 +14,6 @@ from __future__ import annotations
 import ast
 import dataclasses
 import linecache
-import re
 from collections.abc import Iterable, Sequence
 
 import jax
@@ -25,7 +24,7 @@ from jax.typing import ArrayLike
 from gradkit._src import compat
 from gradkit._src.audit.provenance import is_elementwise
 from gradkit._src.audit.replay.state import Birth, Context, Occurrence
-from gradkit._src.audit.report import Element, Fix, Step
+from gradkit._src.audit.report import Element, Step
 from gradkit._src.checks.describe import fmt, nonfinite_mask, short_path
 
 _KEEP_ELEMENTS = 16  # elements kept per step in the report (the count says how many there are)
@@ -233,16 +232,47 @@ def source_operands(eqn: compat.JaxprEqn) -> list[str] | None:
     return out if all(out) else None
 
 
+def in_library(b: Birth) -> bool:
+    """``b``'s equation is a library function's own code, not an expression of the user's line.
+
+    It is when the user's line called a library function that made it (the
+    ``sqrt`` of ``jnp.linalg.norm``: :func:`callee`), or when no user line made
+    it at all (the body of a jitted library function). A NumPy-style function
+    that passes its operands one for one (``jnp.sqrt(d2)``, ``jnp.arctan2(y, x)``)
+    is the user's line itself.
+    """
+    name = callee(b.eqn)
+    if name:
+        return name not in _THIN
+    return compat.source_span(b.eqn) is None
+
+
+def library_name(b: Birth) -> str:
+    """The library function whose code made ``b``'s equation (``norm``), or "" when not known or not one."""
+    if not in_library(b):
+        return ""
+    return callee(b.eqn) or next((c.name for c in reversed(b.ctx) if c.kind == "jit" and c.name), "")
+
+
+def operand_label(b: Birth, k: int) -> str:
+    """A name for operand ``k`` of ``b``'s equation that no user variable can have.
+
+    "`sqrt`'s operand in `norm`", "`div`'s operand 2": the op's own operand,
+    never a bare ``x`` that reads as the user's ``x``. Used where the operand
+    is neither an audited input nor an expression the user's line writes.
+    """
+    lib = library_name(b)
+    what = f"`{b.name}`'s operand" + ("" if len(b.eqn.invars) == 1 else f" {k + 1}")
+    return what + (f" in `{lib}`" if lib else "")
+
+
 def _arg_name(b: Birth, k: int, input_names: dict[compat.Var, str], texts: Sequence[str] | None = None) -> str:
     name = _input_name(b, k, input_names)
     if name is not None:
         return name
     if texts is not None and not compat.is_literal(b.eqn.invars[k]):
         return texts[k]
-    if len(b.eqn.invars) == 1:
-        return "x"
-    names = _ARG_NAMES.get(b.eqn.primitive.name, ("x", "y", "z"))
-    return names[k] if k < len(names) else f"in{k}"
+    return operand_label(b, k)
 
 
 def _elements(sel: Selection, input_names: dict[compat.Var, str]) -> tuple[Element, ...]:
@@ -378,20 +408,26 @@ def _explain_backward(sel: Selection) -> str:
     xs = at(x, mask) if x.shape == g.shape else None
     names = _ARG_NAMES.get(p, ("x", "y", "z"))
     argname = "x" if len(occ.invals) == 1 else (names[k] if k < len(names) else f"input {k}")
+    # inside a library function's code no operand is named (a bare x reads as the user's): "∂sqrt = inf (at 0)"
+    lib = in_library(b)
+    derivative = f"∂{p}/∂{argname}"
+    if lib:
+        derivative = f"∂{p}" if len(occ.invals) == 1 else f"∂{p}/∂(operand {k + 1})"
     where_ = ""
     if len(occ.invals) == 1 and xs is not None:
-        where_ = f"x = {_summ(xs)}"
+        where_ = ("" if lib else "x = ") + _summ(xs)
     elif all(np.shape(v) in (g.shape, ()) for v in occ.invals):
         vals = [at(v, mask) for v in occ.invals]
         if all(v is not None for v in vals):
-            shown = [names[j] if j < len(names) else f"in{j}" for j in range(len(vals))]
-            where_ = f"({', '.join(shown)}) = (" + ", ".join(_summ(v) for v in vals if v is not None) + ")"
+            shown = "" if lib else "(" + ", ".join(
+                names[j] if j < len(names) else f"in{j}" for j in range(len(vals))) + ") = "
+            where_ = f"{shown}(" + ", ".join(_summ(v) for v in vals if v is not None) + ")"
     out_ct = occ.out_cts[0] if occ.out_cts and len(occ.out_cts) == 1 else None
     if out_ct is not None and np.shape(out_ct) == g.shape and len(occ.outvals) == 1 and is_elementwise(b.eqn):
         ct = at(out_ct, mask)
         partial = _partial(occ, b.eqn, k, mask)
         if partial is not None and ct is not None:
-            return (f"backward of `{p}`: cotangent {_summ(ct)} × ∂{p}/∂{argname} = {_summ(partial)}"
+            return (f"backward of `{p}`: cotangent {_summ(ct)} × {derivative} = {_summ(partial)}"
                     + (f" (at {where_})" if where_ else "") + f" gave {res}{n}")
     return f"backward of `{p}` gave {res}{n} from finite cotangents" + (f" (at {where_})" if where_ else "")
 
@@ -407,7 +443,7 @@ def _rule_detail(sel: Selection) -> str:
     ct = at(occ.out_cts[0], mask) if occ.out_cts and np.shape(occ.out_cts[0]) == g.shape else None
     parts = [f"{'NaN' if sel.birth.kind == 'nan' else 'inf'}{_of(int(mask.sum()), int(mask.size))}".strip()]
     if x is not None:
-        parts.append(f"at x = {_summ(x)}")
+        parts.append(f"at {'its operand' if in_library(sel.birth) else 'x'} = {_summ(x)}")
     if ct is not None:
         parts.append(f"incoming cotangent {_summ(ct)}")
     return " (" + ", ".join(parts) + ")"
@@ -449,117 +485,3 @@ def nonfinite_indices(g: ArrayLike, limit: int = 16) -> tuple[tuple[int, ...], .
     if m is None:
         return ()
     return tuple(tuple(int(i) for i in np.unravel_index(int(e), m.shape)) for e in np.flatnonzero(m)[:limit])
-
-
-# --------------------------------------------------------------------------- a fix in the user's own terms
-
-
-_DEFS_BACK = 40  # source lines searched upwards for the assignment of a name the replaced text uses
-
-
-def _strip_parens(arg: str) -> str:
-    """``(a - b)`` -> ``a - b`` when the parentheses wrap the whole argument."""
-    while arg.startswith("(") and arg.endswith(")"):
-        try:
-            inner = ast.parse(arg[1:-1], mode="eval").body
-        except SyntaxError:
-            return arg
-        if isinstance(inner, ast.Tuple):
-            return arg
-        arg = arg[1:-1].strip()
-    return arg
-
-
-def _axis_kwargs(code: str) -> list[str]:
-    """The text of every ``axis=`` argument of the calls in ``code``."""
-    try:
-        tree = ast.parse(code.strip(), mode="exec")
-    except SyntaxError:
-        return []
-    return [ast.get_source_segment(code.strip(), kw.value) or "" for node in ast.walk(tree)
-            if isinstance(node, ast.Call) for kw in node.keywords if kw.arg == "axis"]
-
-
-def _definitions(file: str, line: int, names: Sequence[str]) -> dict[str, tuple[int, str]]:
-    """For each name, the nearest assignment ``name = <text>`` above ``line`` in the same function."""
-    found: dict[str, tuple[int, str]] = {}
-    for n in range(line - 1, max(0, line - _DEFS_BACK), -1):
-        text = linecache.getline(file, n)
-        if re.match(r"\s*(async\s+)?def\s", text):
-            break
-        for name in names:
-            m = re.match(rf"\s*{re.escape(name)}\s*=(?!=)\s*(.+?)\s*$", text)
-            if m and name not in found:
-                found[name] = (n, re.sub(r"\s*#[^'\"]*$", "", m.group(1)))
-    return found
-
-
-def fix_file(location: str, files: Iterable[str]) -> str:
-    """The full path of a fix's ``file.py:12`` location: one of ``files`` (the finding's), else as written."""
-    path = location.rpartition(":")[0]
-    return next((f for f in files if f and short_path(f) == path), path)
-
-
-def in_user_terms(fix: Fix, file: str) -> Fix:
-    """A code fix's call and advice as the user would write them, and the line as it reads rewritten.
-
-    The call keeps the source's own spelling of the reduction axis
-    (``axis=-1`` where the source says so, not the traced ``axis=2``), from
-    the replaced text or from the line that defines a name it uses (``d2 =
-    jnp.sum(diff ** 2, axis=-1)`` for ``jnp.sqrt(d2)``), which the advice then
-    quotes; ``fix.rewritten`` is the source line with the call in place.
-    """
-    if not isinstance(fix, Fix) or fix.kind != "code" or not fix.expression or not fix.replaces or not file:
-        return fix
-    if ";" in fix.location or not fix.location.rpartition(":")[2].isdigit():
-        return fix
-    line = int(fix.location.rpartition(":")[2])
-    source = linecache.getline(file, line).rstrip("\n")
-    if fix.replaces not in source:
-        return fix
-    expr = fix.expression
-    m = re.fullmatch(r"(gk\.stable\.\w+)\((.*)\)", expr, re.S)
-    if m is None:
-        return fix
-    try:
-        call = ast.parse(expr, mode="eval").body
-    except SyntaxError:
-        return fix
-    if not isinstance(call, ast.Call):
-        return fix
-    args = [_strip_parens(ast.get_source_segment(expr, a) or "") for a in call.args]
-    kwargs = {kw.arg: ast.get_source_segment(expr, kw.value) or "" for kw in call.keywords if kw.arg}
-    names = sorted({n.id for n in ast.walk(ast.parse(fix.replaces.strip(), mode="eval"))
-                    if isinstance(n, ast.Name)}) if _parses(fix.replaces) else []
-    defs = _definitions(file, line, [n for n in names if n not in " ".join(args)])
-    if "axis" in kwargs:
-        spelled = _axis_kwargs(fix.replaces) or [a for _, d in defs.values() for a in _axis_kwargs(d)]
-        if len(set(spelled)) == 1 and _same_axis(spelled[0], kwargs["axis"]):
-            kwargs["axis"] = spelled[0]
-    new = m.group(1) + "(" + ", ".join(args + [f"{k}={v}" for k, v in kwargs.items()]) + ")"
-    rewritten = source.replace(fix.replaces, new, 1).rstrip()
-    advice = fix.advice.replace(f"`{expr}`", f"`{new}`")
-    unused = [f"`{n} = {d}` (line {k})" for n, (k, d) in defs.items() if n not in new]
-    if unused:
-        advice = advice.rstrip(".") + f"; {' and '.join(unused)} is then unused."
-    return dataclasses.replace(fix, expression=new, advice=advice, rewritten=rewritten)
-
-
-def _parses(code: str) -> bool:
-    try:
-        ast.parse(code.strip(), mode="eval")
-    except SyntaxError:
-        return False
-    return True
-
-
-def _same_axis(user: str, traced: str) -> bool:
-    """The user's axis spelling can stand for the traced one: equal, or negative (counted from the end)."""
-    try:
-        u, t = ast.literal_eval(user), ast.literal_eval(traced)
-    except (ValueError, SyntaxError):
-        return False
-    us, ts = (u if isinstance(u, tuple) else (u,)), (t if isinstance(t, tuple) else (t,))
-    if len(us) != len(ts) or not all(isinstance(a, int) for a in us + ts):
-        return False
-    return all(a == b or a < 0 for a, b in zip(us, ts))

@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike, DTypeLike
 
-from gradkit._src.checks.check import derivative_label, float_inputs, output_shape, partial_fn
 from gradkit._src.checks.describe import fmt, fn_name, relative_error, to_f64
 from gradkit._src.checks.fd import call_jit, differences
+from gradkit._src.checks.leaf_fn import derivative_label, float_inputs, output_shape, partial_fn
 from gradkit._src.core.args import Split
 from gradkit._src.errors import GradkitError
 

@@ -29,11 +29,13 @@ gradkit imports ``gradkit._src.compat`` and nothing from ``jax._src``.
   bias add), pooling and activations found by dataflow in its traced program,
   and that program run with each layer computed by a callback (LRP's rules).
 * :mod:`~gradkit._src.compat.callbacks` — the logger JAX reports a failing
-  host callback on (``gk.guard``'s raise mode keeps its own exception off it).
+  host callback on (``gk.guard``'s raise mode keeps its own exception off it),
+  and the error types JAX raises in place of a callback's exception.
 """
 
 # Explicit: `compat.X` is one of these, and this list says which module holds it.
 from gradkit._src.compat.callbacks import (
+    CALLBACK_ERRORS,
     CALLBACK_LOGGER,
     kept_callback,
     kept_callback_p,
@@ -86,6 +88,7 @@ from gradkit._src.compat.jaxprs import (
     rule_wrapper_name,
     scan_layout,
     single_equation,
+    staged,
     struct_like,
     struct_of,
     trace,
@@ -120,7 +123,7 @@ from gradkit._src.compat.source import (
 
 __all__ = [
     # callbacks
-    "CALLBACK_LOGGER", "kept_callback", "kept_callback_p",
+    "CALLBACK_ERRORS", "CALLBACK_LOGGER", "kept_callback", "kept_callback_p",
     # jaxprs
     "AbstractValue", "ArrayImpl", "Atom", "ClosedJaxpr", "Literal", "Primitive", "ShapedArray", "Var",
     "CONCRETIZATION_ERRORS", "CUSTOM_VJP_PRIMITIVES", "FUNCTION_PREFIX", "JAX_VERSION", "Jaxpr",
@@ -129,7 +132,7 @@ __all__ = [
     "is_custom_derivative", "is_forward_mode_of_custom_vjp_error", "is_forward_mode_tracer", "is_jaxpr",
     "is_jit", "is_literal", "is_opaque", "is_shard_map", "is_weakly_typed", "typed_like", "jaxpr_parts",
     "primitive_by_name", "read_atom", "register_cache", "replace_eqns", "rule_registries_snapshot",
-    "rule_target", "rule_wrapper_name", "scan_layout", "single_equation", "struct_like", "struct_of", "trace",
+    "rule_target", "rule_wrapper_name", "scan_layout", "single_equation", "staged", "struct_like", "struct_of", "trace",
     "trace_avals", "trace_context", "trace_jit", "type_key", "while_layout",
     # layers
     "ACTIVATION_FUNCTIONS", "LAYER_KINDS", "Layer", "run_layers",

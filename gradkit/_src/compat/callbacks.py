@@ -1,6 +1,7 @@
 """Host callbacks: what gk.guard needs from JAX's callback machinery.
 
 * :data:`CALLBACK_LOGGER` — the logger JAX reports a failing callback on.
+* :data:`CALLBACK_ERRORS` — what JAX raises in place of a callback's exception.
 * :func:`kept_callback` — ``jax.pure_callback`` that XLA keeps even when
   nothing reads its result. ``gk.guard`` must not put an operation between
   the gradients and whatever reads them: XLA:CPU contracts a multiply and an
@@ -36,11 +37,19 @@ from jax.core import ShapedArray
 from jax.extend.core import Primitive
 from jax.typing import ArrayLike
 
-__all__ = ["CALLBACK_LOGGER", "kept_callback", "kept_callback_p"]
+__all__ = ["CALLBACK_ERRORS", "CALLBACK_LOGGER", "kept_callback", "kept_callback_p"]
 
 #: The logger JAX reports a failing host callback on (``jax/_src/callback.py``, before it re-raises):
 #: gk.guard's raise mode filters out its own exception there, since the raise carries the report.
 CALLBACK_LOGGER: str = "jax._src.callback"
+
+#: What JAX raises in place of an exception a host callback raised inside a compiled program: XLA's
+#: runtime keeps only the text (``INTERNAL: CpuCallback error calling callback:``, the callback's
+#: traceback, then ``Type: message``), so the type is JAX's own: ``jax.errors.JaxRuntimeError`` from
+#: JAX's Python dispatch path (a program's first call) or at the first use of the results on an
+#: accelerator, ``ValueError`` from its C++ fast path (later calls). No hook changes that type at a
+#: ``jax.jit`` call (JAX issue 26102); gk.guard converts it back where a call passes gradkit's code.
+CALLBACK_ERRORS: tuple[type[Exception], ...] = (jax.errors.JaxRuntimeError, ValueError)
 
 #: ``pure_callback_p`` lowered as a side-effecting custom call (see the module docstring).
 kept_callback_p = Primitive("gradkit_kept_callback")

@@ -109,6 +109,22 @@ def trace_jit(fn: Callable[..., Any], args: Sequence[Any]) -> ClosedJaxpr:
         return jax.make_jaxpr(jax.jit(fn))(*args)
 
 
+def staged(jitted: Any, stage: str, what: str) -> Callable[..., Any]:
+    """``jitted.<stage>``: a ``jax.jit`` object's ``lower``, ``trace`` or ``eval_shape`` on this JAX.
+
+    ``lower`` and ``eval_shape`` are old; ``trace`` (``jax.stages.Traced``)
+    exists on every supported JAX (0.8 through 0.12). A JAX without one gets
+    a ``[gradkit]`` error naming the version and the stage that does exist.
+    """
+    method = getattr(jitted, stage, None)
+    if method is None:
+        raise _GradkitError(
+            f"{what}.{stage}: jax.jit functions of this JAX ({jax.__version__}) have no .{stage}, and an "
+            f"overridden function offers what jax.jit offers. Use .lower(...) (its .compile(), .as_text()), or "
+            "upgrade jax.")
+    return method  # a jax.jit object's bound method
+
+
 def trace_avals(fn: Callable[..., Sequence[Any]], avals: Sequence[Any], name: str = "gradkit") -> ClosedJaxpr:
     """Traces ``fn`` (flat inputs -> list of outputs) at exactly ``avals``, in the current context.
 

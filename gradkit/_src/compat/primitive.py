@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import cast
 
 import jax
+import numpy as np
 from jax import lax as _lax
 from jax._src import core as _core
 from jax._src.interpreters import mlir as _mlir_src
@@ -14,7 +15,7 @@ from jax._src.lib.mlir.dialects import hlo as _hlo
 from jax.interpreters import ad as _ad
 from jax.interpreters import batching as _batching
 from jax.interpreters import mlir as _mlir
-from jax.typing import ArrayLike
+from jax.typing import ArrayLike, DTypeLike
 
 from gradkit._src.compat.jaxprs import Primitive, ShapedArray
 from gradkit._src.errors import GradkitError as _GradkitError
@@ -36,16 +37,20 @@ safe_scale_p: Primitive = Primitive("gradkit_safe_scale")
 OWN_PRIMITIVES: frozenset[Primitive] = frozenset({safe_scale_p})
 
 
-def safe_scale(t: ArrayLike, d: ArrayLike, *, divide: bool = False) -> jax.Array:
+def safe_scale(t: ArrayLike, d: ArrayLike, *, divide: bool = False, out_dtype: DTypeLike | None = None) -> jax.Array:
     """``t * d`` (``t / d`` with ``divide``), exactly 0 where ``t == 0``; linear in ``t``.
 
-    ``t`` and ``d`` must have the same shape and dtype. Where ``t`` is 0 the
+    ``t`` and ``d`` must have the same shape, and the same dtype unless
+    ``out_dtype`` is given: then, as ``lax.mul``'s ``out_dtype``, both are
+    converted to it first, and the transpose computes in ``t``'s dtype (as
+    JAX's transpose of ``mul``). Where ``t`` is 0 the
     result is 0 whatever ``d`` is (``inf``, NaN), in value and at every order
     of differentiation; a product (not a quotient) is also 0 where ``d`` is 0
     and ``t`` is infinite or NaN. Elsewhere it is the plain product, bit for bit.
     """
     t, d = match_varying([t, d])
-    out: jax.Array = safe_scale_p.bind(t, d, divide=bool(divide))
+    out: jax.Array = safe_scale_p.bind(t, d, divide=bool(divide),
+                                       out_dtype=None if out_dtype is None else np.dtype(out_dtype))
     return out
 
 
@@ -82,30 +87,39 @@ def _masked_operands(t: jax.Array, d: jax.Array, divide: bool) -> tuple[jax.Arra
     return t_out, d_out
 
 
-def _safe_scale_value(t: jax.Array, d: jax.Array, *, divide: bool) -> jax.Array:
-    tm, dm = _masked_operands(t, d, divide)
+def _converted(x: jax.Array, dtype: np.dtype | None) -> jax.Array:
+    """``x`` as ``dtype`` (``out_dtype``'s conversion of an operand; none without one)."""
+    return x if dtype is None or x.dtype == dtype else _lax.convert_element_type(x, dtype)
+
+
+def _safe_scale_value(t: jax.Array, d: jax.Array, *, divide: bool, out_dtype: np.dtype | None) -> jax.Array:
+    tm, dm = _masked_operands(_converted(t, out_dtype), _converted(d, out_dtype), divide)
     return _lax.div(tm, dm) if divide else _lax.mul(tm, dm)
 
 
-def _safe_scale_abstract_eval(t: ShapedArray, d: ShapedArray, *, divide: bool) -> ShapedArray:
-    if t.shape != d.shape or t.dtype != d.dtype:
+def _safe_scale_abstract_eval(t: ShapedArray, d: ShapedArray, *, divide: bool,
+                              out_dtype: np.dtype | None) -> ShapedArray:
+    if t.shape != d.shape or (t.dtype != d.dtype and out_dtype is None):
         raise _GradkitError(f"internal: safe_scale needs operands of one shape and dtype, got {t.str_short()} "
                             f"and {d.str_short()}; please report this with the function that triggered it.")
-    return t.update(weak_type=t.weak_type and d.weak_type)  # as lax's binary operations
+    # as lax's binary operations (mul with out_dtype: the result in that dtype)
+    return t.update(dtype=t.dtype if out_dtype is None else out_dtype, weak_type=t.weak_type and d.weak_type)
 
 
 def _safe_scale_jvp(primals: Sequence[jax.Array], tangents: Sequence[jax.Array | _ad.Zero], *,
-                    divide: bool) -> tuple[jax.Array, jax.Array | _ad.Zero]:
+                    divide: bool, out_dtype: np.dtype | None) -> tuple[jax.Array, jax.Array | _ad.Zero]:
     t, d = primals
     dt, dd = tangents
-    out = safe_scale(t, d, divide=divide)
+    out = safe_scale(t, d, divide=divide, out_dtype=out_dtype)
     terms = []
     if not isinstance(dt, _ad.Zero):
-        terms.append(safe_scale(dt, d, divide=divide))
+        terms.append(safe_scale(dt, d, divide=divide, out_dtype=out_dtype))
     if not isinstance(dd, _ad.Zero):
         # d(t*d)/dd = t, d(t/d)/dd = -t/d^2: both 0 where t == 0, and the term is
         # selected away there, so an inf or NaN tangent of d never leaks through.
-        # Masked like the value: the term is 0 where the value is masked to 0.
+        # Masked like the value: the term is 0 where the value is masked to 0
+        # (on the operands as the value sees them: converted to out_dtype).
+        t, d, dd = _converted(t, out_dtype), _converted(d, out_dtype), _converted(dd, out_dtype)
         coef = t if not divide else _lax.neg(safe_scale(safe_scale(t, d, divide=True), d, divide=True))
         zero = _lax.full_like(t, 0)
         dropped = _lax.eq(t, zero)
@@ -118,21 +132,22 @@ def _safe_scale_jvp(primals: Sequence[jax.Array], tangents: Sequence[jax.Array |
 
 
 def _safe_scale_transpose(ct: jax.Array | _ad.Zero, t: _ad.UndefinedPrimal, d: jax.Array, *,
-                          divide: bool) -> list[jax.Array | _ad.Zero | None]:
+                          divide: bool, out_dtype: np.dtype | None) -> list[jax.Array | _ad.Zero | None]:
     if _ad.is_undefined_primal(d) or not _ad.is_undefined_primal(t):
         raise _GradkitError("internal: safe_scale is linear in its first operand only; please report this with "
                             "the function that triggered it.")
     if isinstance(ct, _ad.Zero):
         return [_ad.Zero(t.aval), None]
-    return [safe_scale(ct, d, divide=divide), None]
+    # With out_dtype, as JAX's transpose of mul: the product in the operand's dtype (mul(ct, y, out_dtype=x.dtype)).
+    return [safe_scale(ct, d, divide=divide, out_dtype=None if out_dtype is None else t.aval.dtype), None]
 
 
 def _safe_scale_batch(args: Sequence[jax.Array], dims: Sequence[int | None], *,
-                      divide: bool) -> tuple[jax.Array, int | None]:
+                      divide: bool, out_dtype: np.dtype | None) -> tuple[jax.Array, int | None]:
     t, d = args
     bt, bd = dims
     if bt == bd:
-        return safe_scale(t, d, divide=divide), bt
+        return safe_scale(t, d, divide=divide, out_dtype=out_dtype), bt
     if bt is not None:
         size = t.shape[bt]
     else:
@@ -144,7 +159,7 @@ def _safe_scale_batch(args: Sequence[jax.Array], dims: Sequence[int | None], *,
             return _lax.broadcast(x, (size,))
         return jax.numpy.moveaxis(x, b, 0)
 
-    return safe_scale(front(t, bt), front(d, bd), divide=divide), 0
+    return safe_scale(front(t, bt), front(d, bd), divide=divide, out_dtype=out_dtype), 0
 
 
 # Inside shard_map, operands of one operation must vary over the same manual axes; JAX's lax wrappers
@@ -171,7 +186,7 @@ _typed_result = getattr(_mlir_src, "lower_with_explicit_types", None) or _mlir_s
 
 
 def _safe_scale_lowering(ctx: _mlir_src.LoweringRuleContext, t: _ir.Value, d: _ir.Value, *,
-                         divide: bool) -> Sequence[_ir.Value]:
+                         divide: bool, out_dtype: np.dtype | None) -> Sequence[_ir.Value]:
 
     """StableHLO for a real ``safe_scale``: the masks of :func:`_safe_scale_value` as nested selects.
 
@@ -191,10 +206,16 @@ def _safe_scale_lowering(ctx: _mlir_src.LoweringRuleContext, t: _ir.Value, d: _i
     instead of eleven, six for a quotient instead of seven, fewer for XLA to
     fuse and compile where SAFE rules are many.
     Complex operands keep the lax version (``is_finite`` takes real values only).
+    With ``out_dtype``, both operands are converted to it first, as ``lax.mul``
+    lowers its ``out_dtype``.
     """
-    aval = cast(ShapedArray, ctx.avals_in[0])  # JAX types avals abstractly; an array operand's is shaped
+    aval = cast(ShapedArray, ctx.avals_out[0])  # JAX types avals abstractly; an array result's is shaped
     if not jax.numpy.issubdtype(aval.dtype, jax.numpy.floating):
-        return _lower_by_tracing(ctx, t, d, divide=divide)
+        return _lower_by_tracing(ctx, t, d, divide=divide, out_dtype=out_dtype)
+    if out_dtype is not None:
+        ins = [cast(ShapedArray, a) for a in ctx.avals_in]
+        t, d = (x if a.dtype == aval.dtype else _mlir_src.convert_hlo(ctx, x, a, a.update(dtype=aval.dtype))
+                for x, a in zip((t, d), ins))
     zero = _mlir_src.full_like_aval(ctx, 0, aval)
     t_zero = _mlir_src.compare_hlo(t, zero, "EQ", "FLOAT")
     d_zero = _mlir_src.compare_hlo(d, zero, "EQ", "FLOAT")

@@ -13,6 +13,10 @@ values, JAX config):
 3. The cached program is bound as that single ``jit`` equation: inline in an
    enclosing trace (jit, grad, vmap, ...), compiled for an eager call.
 
+``Overridden.lower`` / ``trace`` / ``eval_shape`` are ``jax.jit``'s stages of
+the function whose program is that equation (``jax.stages`` objects; the
+static arguments are ``static_argnums``/``static_argnames``).
+
 So ``override(fn, table)`` with no matching rule *is* ``jax.jit(fn)``: same
 values, same gradients in every transform. JAX internals are reached only
 through :mod:`gradkit._src.compat`.
@@ -26,21 +30,22 @@ import inspect
 import threading
 import types
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Generic, TypeVar, cast, overload
+from typing import Any, Generic, TypeVar, cast, overload
 
 import jax
 
 from gradkit._src import compat
 from gradkit._src.core import args as _args
-from gradkit._src.core import named, nnx_state, walk
+from gradkit._src.core import named, nnx_state, strict, walk
 from gradkit._src.core.cache import LRU
 from gradkit._src.core.rule import Rule
 from gradkit._src.core.splice import CacheInfo, Replacements, Splicer, op_name
 from gradkit._src.core.table import RuleTable
-from gradkit._src.errors import GradkitError, callable_name, near_misses
+from gradkit._src.errors import GradkitError, callable_name
 
 F = TypeVar("F", bound=Callable[..., object])
 R = TypeVar("R", covariant=True)  # what the overridden function returns
+T = TypeVar("T")
 
 __all__ = ["Overridden", "op_name", "override"]
 
@@ -76,7 +81,26 @@ _is_array = _args.is_array
 
 
 class Overridden(Generic[R]):
-    """A function with a rule table applied; made by :func:`override`."""
+    """A function with a rule table applied; made by :func:`override`.
+
+    It is a jitted function: called, it runs what ``jax.jit(fn)`` runs with
+    the table's rules spliced in. Like a ``jax.jit`` object it has the
+    ahead-of-time stages :meth:`lower`, :meth:`trace` and :meth:`eval_shape`,
+    which return JAX's own objects for the rewritten program
+    (``.compile()``, ``.as_text()``, ``.cost_analysis()``, ``.jaxpr``).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, gradkit as gk
+      >>> fixed = gk.override(lambda x: jnp.sum(jnp.sqrt(x)), gk.tables.SAFE)
+      >>> x = jnp.arange(4.0)
+      >>> compiled = fixed.lower(x).compile()
+      >>> float(compiled(x)) == float(fixed(x)), compiled.cost_analysis() is not None
+      (True, True)
+      >>> "custom_jvp_call" in str(fixed.trace(x).jaxpr)  # the rewritten program
+      True
+      >>> fixed.eval_shape(x)
+      ShapeDtypeStruct(shape=(), dtype=float32)
+    """
 
     def __init__(self, fn: Callable[..., R], table: RuleTable, strict: bool) -> None:
         # updated=(): copying fn.__dict__ would copy an inner Overridden's table
@@ -89,12 +113,8 @@ class Overridden(Generic[R]):
         self._lock = threading.Lock()
         self._replacements = Replacements()
         self.trace_count = 0
-
-        def eager(*a: object, **k: object) -> R:
-            return self._call(*jax.tree_util.tree_flatten((a, k)))
-
-        eager.__name__ = eager.__qualname__ = callable_name(fn).rsplit(".", 1)[-1]
-        self._eager = jax.jit(eager)
+        self._nnx: nnx_state.Route[R] | None = None  # the Flax NNX route, made on the first call with NNX nodes
+        self._eager = self._jit()
 
     @property
     def table(self) -> RuleTable:
@@ -133,10 +153,9 @@ class Overridden(Generic[R]):
         """
         self._cache.cache_clear()
         self._replacements.clear()
-        self._eager.clear_cache()  # type: ignore[attr-defined]  # jax.jit objects have it; the stub omits it
-        nnx_route = getattr(self, "_gradkit_nnx", None)  # the NNX state route (nnx_state.call), if used
-        if nnx_route is not None:
-            nnx_route._inner.clear_cache()
+        self._eager.clear_cache()
+        if self._nnx is not None:
+            self._nnx.clear_cache()
 
     def cache_size(self) -> int:
         """How many input signatures have a traced program in the cache now (at most 2048)."""
@@ -153,7 +172,7 @@ class Overridden(Generic[R]):
 
     def __call__(self, *args: object, **kwargs: object) -> R:
         if nnx_state.has_graph_nodes(args, kwargs):  # Flax NNX modules: their state changes are kept, as nnx.jit
-            return nnx_state.call(self, args, kwargs)
+            return self._nnx_route()(args, kwargs)
         if args and not kwargs:  # the common eager call: concrete arrays, no pytree to flatten
             for a in args:
                 if type(a) is not _ARRAY:
@@ -168,6 +187,151 @@ class Overridden(Generic[R]):
             eager_out: R = self._eager(*args, **kwargs)
             return eager_out
         return self._call(leaves, treedef)
+
+    # --- jax.jit's ahead-of-time stages
+
+    def lower(self, *args: object, **kwargs: object) -> jax.stages.Lowered:
+        """``jax.jit``'s ``lower`` for the rewritten program: JAX's :class:`jax.stages.Lowered`.
+
+        As for a ``jax.jit`` function: ``.compile()`` gives a
+        :class:`jax.stages.Compiled` to call with the array arguments,
+        ``.as_text()`` the StableHLO, ``.cost_analysis()`` XLA's estimates.
+        The program is the one a call runs, rules spliced in (its value is
+        ``jax.jit(fn)``'s, bit for bit); differentiate first to lower a
+        gradient: ``jax.jit(jax.grad(fixed)).lower(x)``.
+
+        Arguments are taken as a call takes them. Arrays (and
+        ``jax.ShapeDtypeStruct``\\ s) are traced; a top-level argument with
+        no array leaf (a Python number, a string, a tuple of them) is static,
+        as under ``jax.jit(..., static_argnums=...)``: the compiled function
+        is called without it. A pytree argument that mixes arrays with
+        non-array leaves (an ``eqx.Module``) has no ``jax.jit`` form: a
+        :class:`GradkitError` says how to split it. With Flax NNX modules
+        among the arguments, this is ``nnx.jit(fixed).lower(...)``: Flax's
+        wrapper of JAX's object, whose compiled function takes the modules
+        and writes their new state back, as ``nnx.jit``'s does.
+
+        Examples:
+          >>> import jax, jax.numpy as jnp, gradkit as gk
+          >>> fixed = gk.override(lambda x, n: jnp.sqrt(x) * n, gk.tables.SAFE)
+          >>> lowered = fixed.lower(jnp.ones(3), 2)  # n = 2 is static
+          >>> "stablehlo.sqrt" in lowered.as_text()
+          True
+          >>> lowered.compile()(jnp.full(3, 4.0))
+          Array([4., 4., 4.], dtype=float32)
+        """
+        return cast(jax.stages.Lowered, self._stage("lower", args, kwargs))
+
+    def trace(self, *args: object, **kwargs: object) -> jax.stages.Traced:
+        """``jax.jit``'s ``trace`` for the rewritten program: JAX's :class:`jax.stages.Traced`.
+
+        Its ``.jaxpr`` is the program a call runs (one ``jit`` equation whose
+        body carries the rules as ``custom_vjp_call``/``custom_jvp_call``
+        equations), ``.lower()`` continues as :meth:`lower`. Arguments as in
+        :meth:`lower`.
+
+        Examples:
+          >>> import jax.numpy as jnp, gradkit as gk
+          >>> fixed = gk.override(jnp.log, gk.tables.SAFE)
+          >>> traced = fixed.trace(jnp.ones(3))
+          >>> "custom_jvp_call" in str(traced.jaxpr), traced.lower().compile()(jnp.ones(3))
+          (True, Array([0., 0., 0.], dtype=float32))
+        """
+        return cast(jax.stages.Traced, self._stage("trace", args, kwargs))
+
+    def eval_shape(self, *args: object, **kwargs: object) -> Any:  # a pytree of ShapeDtypeStructs, as jax's
+        """The output's shapes and dtypes without computing it: ``jax.ShapeDtypeStruct``\\ s, as ``jax.eval_shape``.
+
+        Arguments as a call takes them, any pytree (arrays or
+        ``jax.ShapeDtypeStruct``\\ s traced, everything else static), Flax
+        NNX modules as ``nnx.jit(fixed).eval_shape`` takes them (their
+        state is left as it was).
+
+        Examples:
+          >>> import jax, jax.numpy as jnp, gradkit as gk
+          >>> fixed = gk.override(lambda p, x: {"y": p["w"] @ x, "n": x.size}, gk.tables.SAFE)
+          >>> fixed.eval_shape({"w": jax.ShapeDtypeStruct((2, 3), jnp.float32)}, jnp.ones(3))["y"]
+          ShapeDtypeStruct(shape=(2,), dtype=float32)
+        """
+        if nnx_state.has_graph_nodes(args, kwargs):
+            return self._nnx_route().staged(self, "eval_shape", args, kwargs)
+        split, dyn = _args.partition((args, kwargs), _traced_leaf)
+
+        def flat(*d: object) -> R:
+            return self._call(*jax.tree_util.tree_flatten(split.combine(d)))
+
+        return jax.eval_shape(flat, *dyn)
+
+    def _stage(self, stage: str, args: tuple[object, ...], kwargs: Mapping[str, object]) -> object:
+        """``jax.jit(...).<stage>(*args, **kwargs)`` of the function a call runs, statics as ``jax.jit``'s."""
+        if nnx_state.has_graph_nodes(args, kwargs):
+            return self._nnx_route().staged(self, stage, args, kwargs)
+        static_argnums: list[int] = []
+        static_argnames: list[str] = []
+        named: list[tuple[int | str, object]] = [*enumerate(args), *kwargs.items()]
+        for where, value in named:
+            leaves = jax.tree_util.tree_leaves(value)
+            traced = [_traced_leaf(x) for x in leaves]
+            if all(traced):
+                continue  # arrays (or no leaf at all: None, an empty container), as jax.jit takes them
+            if any(traced):
+                raise GradkitError(self._mixed_message(stage, where, value))
+            if not _hashable(value):
+                raise GradkitError(
+                    f"override({callable_name(self._fn)}).{stage}: argument {_arg_name(self._fn, where)} "
+                    f"({type(value).__name__}) is not an array and not hashable. Non-array arguments are static "
+                    "(part of the cache key), so they must be hashable: pass arrays as jax/numpy arrays, and "
+                    "containers as tuples or dicts.")
+            if isinstance(where, int):
+                static_argnums.append(where)
+            else:
+                static_argnames.append(where)
+        jitted = self._jit(tuple(static_argnums), tuple(static_argnames)) \
+            if static_argnums or static_argnames else self._eager
+        return compat.staged(jitted, stage, f"override({callable_name(self._fn)})")(*args, **kwargs)
+
+    def _mixed_message(self, stage: str, where: int | str, value: object) -> str:
+        path, leaf = next((p, x) for p, x in jax.tree_util.tree_flatten_with_path(value)[0] if not _traced_leaf(x))
+        name = _arg_name(self._fn, where)
+        return (
+            f"override({callable_name(self._fn)}).{stage}: argument {name} mixes arrays with a non-array leaf "
+            f"({name}{jax.tree_util.keystr(path)} is {type(leaf).__name__}). A call takes such a leaf as static, "
+            "but jax.jit's stages take static values only as whole arguments. Pass the non-array parts as their "
+            "own arguments (static, as jax.jit's static_argnums: the compiled function is then called without "
+            "them), close over them (functools.partial), or split the pytree (eqx.partition) and lower a "
+            "function of its arrays.")
+
+    def _jit(self, static_argnums: tuple[int, ...] = (), static_argnames: tuple[str, ...] = ()) -> Any:
+        """``jax.jit`` of the function a call runs: its trace lands in :meth:`_call`, once per signature."""
+        def eager(*a: object, **k: object) -> R:
+            return self._call(*jax.tree_util.tree_flatten((a, k)))
+
+        eager.__name__ = eager.__qualname__ = callable_name(self._fn).rsplit(".", 1)[-1]
+        return jax.jit(eager, static_argnums=static_argnums, static_argnames=static_argnames)
+
+    # --- Flax NNX: nnx_state's route, given what it needs of the dispatcher
+
+    def _nnx_route(self) -> nnx_state.Route[R]:
+        route = self._nnx
+        if route is None:
+            with self._lock:
+                if self._nnx is None:
+                    self._nnx = nnx_state.Route(self._fn, self._override_pure, self._add_traces)
+                route = self._nnx
+        return route
+
+    def _override_pure(self, pure: Callable[..., T]) -> Overridden[T]:
+        """The second overridden function of the NNX route: this table, ``strict`` and rule cache."""
+        inner = Overridden(pure, self._table, self._strict)
+        # One table, one cache of rule replacements: cache_info() of the function the user holds counts them.
+        inner._replacements = self._replacements
+        return inner
+
+    def _add_traces(self, n: int) -> None:
+        with self._lock:
+            self.trace_count += n
+
+    # --- the call
 
     def _call(self, leaves: list[object], treedef: jax.tree_util.PyTreeDef) -> R:
         # The hot path of every call under a trace: one key (args.call_key) per call.
@@ -252,9 +416,7 @@ class Overridden(Generic[R]):
         (call,) = compat.jaxpr_parts(outer)[0].eqns
         body = call.params["jaxpr"]
         if self._strict:
-            _check_strict(self._fn, self._table, {op_name(e) for e, _ in walk.equations(body)})
-            if self._table.scoped_ops:
-                _check_strict_scopes(self._fn, self._table, body)
+            strict.check(self._fn, self._table, body)
         splicer = Splicer(self._table, self._replacements)
         new_body = walk.Rewrite(splicer, scoped=splicer.scoped)(body)
         if new_body is not body:
@@ -312,71 +474,30 @@ def _dyn_names(fn: Callable[..., object], split: _args.Split) -> list[str]:
     return [names.get(i, f"argument leaf {i}") for i in split.dyn_pos]
 
 
+def _traced_leaf(x: object) -> bool:
+    """A leaf the stages trace: an array (as a call's) or a ``jax.ShapeDtypeStruct`` standing for one."""
+    return _is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
+def _arg_name(fn: Callable[..., object], where: int | str) -> str:
+    """The user's name of positional argument ``where`` (``x``, else ``args[i]``), or a keyword's."""
+    if isinstance(where, str):
+        return where
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    usable = where < len(params) and params[where].kind in (
+        inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return params[where].name if usable else f"args[{where}]"
+
+
 def _hashable(x: object) -> bool:
     try:
         hash(x)
     except TypeError:
         return False
     return True
-
-
-def _check_strict(fn: Callable[..., object], table: RuleTable, present: set[str]) -> None:
-    unmatched = sorted(n for n in table.names() - present if "::" not in n)  # scoped: _check_strict_scopes
-    if not unmatched:
-        return
-    lines = []
-    for name in unmatched:
-        close = near_misses(name, present)
-        hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
-        lines.append(f"  '{name}'{hint}")
-    raise GradkitError(
-        f"override({callable_name(fn)}, strict=True): {len(unmatched)} rule(s) matched no op in the traced program:\n"
-        + "\n".join(lines)
-        + f"\nOps in the program: {', '.join(sorted(present))}. Fix the names, or drop strict=True.")
-
-
-def _check_strict_scopes(fn: Callable[..., object], table: RuleTable, body: compat.Jaxpr) -> None:
-    """Raises for a scoped entry whose scope holds no equation of its op, naming the scopes the program has.
-
-    A scope that holds no equation at all is one line (with its near misses
-    among the program's scopes); a scope that exists but lacks the op is one
-    line per entry, with the scopes where the op does occur.
-    """
-    where: dict[str, set[tuple[str, ...]]] = {}  # op name -> the scopes it occurs at
-    for eqn, scopes in walk.scoped_equations(body):
-        where.setdefault(op_name(eqn), set()).add(scopes)
-    stacks = {s for ss in where.values() for s in ss}
-    paths = sorted({"/".join(s[:i]) for s in stacks for i in range(1, len(s) + 1)})
-    empty: dict[str, list[str]] = {}  # scope text -> ops of its entries, for scopes that hold no equation
-    lines = []
-    for key, sc, op in table.scoped_entries():
-        if not any(sc.matches(s) for s in stacks):
-            empty.setdefault(sc.text, []).append(op)
-            continue
-        if any(sc.matches(s) for s in where.get(op, ())):
-            continue
-        at = sorted({"/".join(s) or "(top level)" for s in where.get(op, ())})
-        found = (f"it occurs in {', '.join(at[:6])}{', ...' if len(at) > 6 else ''}" if at
-                 else "not in the program" + _did_you_mean(near_misses(op, where)))
-        lines.append(f"  '{key}': no '{op}' inside scope '{sc.text}' ({found})")
-    for text, ops in empty.items():
-        parts = {p for s in stacks for p in s}
-        close = near_misses(text.lstrip("/"), set(paths) | parts)
-        shown = ", ".join(ops[:6]) + (", ..." if len(ops) > 6 else "")
-        lines.insert(0, f"  scope '{text}' (rules for {shown}) matches no equation{_did_you_mean(close)}")
-    if not lines:
-        return
-    raise GradkitError(
-        f"override({callable_name(fn)}, strict=True): scoped rules matched no op in the traced program:\n"
-        + "\n".join(lines)
-        + f"\nScopes in the program: {', '.join(paths[:20]) or '(none: no jax.named_scope or module names)'}"
-        + (", ..." if len(paths) > 20 else "")
-        + ". A scope's '/'-separated components match a contiguous run of an equation's name stack "
-        "(jax.named_scope, Flax module paths), '*' within one component; fix the scope, or drop strict=True.")
-
-
-def _did_you_mean(close: Sequence[str]) -> str:
-    return f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
 
 
 def _as_table(table: object) -> RuleTable:
@@ -412,10 +533,16 @@ def override(fn: F | RuleTable | Mapping[str, Rule], table: RuleTable | Mapping[
     Args:
       fn: a pure function of arrays and pytrees of arrays.
       table: a :class:`RuleTable` or a dict from op name to :class:`Rule`.
-      strict: raise if a rule in the table matches no op (guards against typos).
+      strict: raise if the table matches nothing it should (guards against typos and
+        wrong scopes): each entry of yours must match an op (inside its scope); a shipped
+        table (``gk.tables.SAFE``, ...) is one unit, which passes when some rule of it
+        matches (inside its scope). The error names what it checked.
 
     Returns:
-      A function with ``fn``'s signature. Also usable as ``@override(table)``.
+      A function with ``fn``'s signature (an :class:`Overridden`), with ``jax.jit``'s
+      ahead-of-time stages: ``.lower(x)`` (``.compile()``, ``.as_text()``,
+      ``.cost_analysis()``), ``.trace(x)`` and ``.eval_shape(x)`` of the rewritten
+      program. Also usable as ``@override(table)``.
 
     Examples:
       >>> import jax, jax.numpy as jnp, gradkit as gk

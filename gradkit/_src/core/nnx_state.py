@@ -13,10 +13,13 @@ an overridden function does what ``nnx.jit`` does, with the public
     outside (4) merge: the caller's own nodes are updated in place (Variables, attributes,
                 structure), nodes fn returned are the caller's objects where they alias them
 
-The inside runs in a second :class:`~gradkit._src.core.dispatch.Overridden`, over
-the pure function, with the same table and ``strict``: it is traced once per
+The inside runs in a second overridden function, over the pure function, with
+the same table and ``strict`` (the dispatcher hands :class:`Route` the maker
+of it: this module does not import the dispatcher): it is traced once per
 signature (the graphdefs are static parts of the key, as in ``nnx.jit``),
 its rules spliced in, and compiled or inlined exactly as any overridden call.
+``.lower``, ``.trace`` and ``.eval_shape`` with graph nodes among the
+arguments are ``nnx.jit``'s own (:meth:`Route.staged`).
 
 Flax is optional: nothing here imports it. :func:`has_graph_nodes` looks in
 ``sys.modules``; when ``flax.nnx`` was never imported, an overridden call pays
@@ -29,7 +32,7 @@ import sys
 import threading
 from collections.abc import Callable, Hashable, Mapping
 from types import ModuleType
-from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, cast
+from typing import Generic, Protocol, TypeVar, cast
 
 import jax
 import numpy as np
@@ -37,14 +40,9 @@ import numpy as np
 from gradkit._src import compat
 from gradkit._src.errors import GradkitError, callable_name
 
-if TYPE_CHECKING:
-    from gradkit._src.core.dispatch import Overridden
-
-__all__ = ["call", "has_graph_nodes"]
+__all__ = ["Route", "has_graph_nodes"]
 
 _NNX = "flax.nnx"
-_ATTR = "_gradkit_nnx"  # where an Overridden keeps its _NNXCall, made on its first call with NNX nodes
-_CREATE = threading.Lock()
 
 R = TypeVar("R")
 T = TypeVar("T")
@@ -62,6 +60,16 @@ class _MergeContext(Protocol):
     """``flax.nnx.merge_context``'s context."""
 
     def unflatten(self, graphdef: Hashable, leaves: list[object]) -> object: ...
+
+
+class Inner(Protocol):
+    """The second overridden function, over the pure function (the dispatcher makes it: ``Overridden``)."""
+
+    trace_count: int
+
+    def __call__(self, *args: object, **kwargs: object) -> _Pure: ...
+
+    def clear_cache(self) -> None: ...
 
 
 class _Split:
@@ -131,57 +139,74 @@ def has_graph_nodes(args: tuple[object, ...], kwargs: Mapping[str, object]) -> b
     return False
 
 
-def call(overridden: Overridden[R], args: tuple[object, ...], kwargs: Mapping[str, object]) -> R:
-    """Calls ``overridden`` on arguments holding NNX graph nodes, keeping what its function changes in them.
+class Route(Generic[R]):
+    """The NNX path of one overridden function: split, the pure function overridden, merge back.
 
-    What ``nnx.jit`` does: the caller's modules (and variables, ``nnx.Rngs``)
-    end the call with the state the function left them in: ``BatchNorm``
-    statistics, advanced RNG counters, new attributes. Inside
-    ``nnx.value_and_grad``, ``nnx.jit``, ``nnx.scan``... the nodes are that
-    transform's own and it propagates the changes further, as for any function.
+    The dispatcher makes one per overridden function, on its first call with
+    graph nodes, and gives it what this module needs of the dispatcher:
+    ``override_pure`` makes the second overridden function (the same table,
+    ``strict`` and rule cache) over a pure function, and ``count`` adds that
+    function's traces to the count of the one the user holds.
     """
-    runner: _NNXCall[R] | None = getattr(overridden, _ATTR, None)
-    if runner is None:
-        with _CREATE:
-            runner = getattr(overridden, _ATTR, None)
-            if runner is None:
-                runner = _NNXCall(overridden)
-                setattr(overridden, _ATTR, runner)
-    return runner(args, kwargs)
 
-
-class _NNXCall(Generic[R]):
-    """The NNX path of one :class:`Overridden`: split, the pure function overridden, merge back."""
-
-    def __init__(self, overridden: Overridden[R]) -> None:
+    def __init__(self, fn: Callable[..., R], override_pure: Callable[[Callable[..., _Pure]], Inner],
+                 count: Callable[[int], None]) -> None:
         nnx = sys.modules[_NNX]
         if not all(hasattr(nnx, n) for n in ("update_context", "split_context", "merge_context", "SplitContext")) \
                 or not hasattr(nnx.SplitContext, "flatten"):
             version = getattr(sys.modules.get("flax"), "__version__", "?")
             raise GradkitError(
-                f"override({_fname(overridden)}): its arguments hold Flax NNX modules, whose state changes "
+                f"override({callable_name(fn)}): its arguments hold Flax NNX modules, whose state changes "
                 "(BatchNorm statistics, RNG counters) gradkit keeps with flax.nnx's update_context API, which this "
                 f"flax ({version}) lacks. Upgrade flax (>= 0.11), or pass the state explicitly: graphdef, state = "
                 "nnx.split(model) outside, nnx.merge(graphdef, state) inside, and return nnx.state(model).")
         self._nnx = nnx
-        self._outer = overridden
-        self._fn = overridden._fn
+        self._fn = fn
+        self._count = count
         self._is_node = _graph_node_test(nnx)
+        self._jitted: object | None = None  # nnx.jit of the overridden function, for .lower/.trace/.eval_shape
+        self._lock = threading.Lock()
 
         def pure(*pure_args: object, **pure_kwargs: object) -> _Pure:
             return self._inside(pure_args, pure_kwargs)
 
-        name = _fname(overridden)
+        name = callable_name(fn)
         pure.__name__, pure.__qualname__ = name.rsplit(".", 1)[-1], name
-        pure.__doc__ = getattr(self._fn, "__doc__", None)
+        pure.__doc__ = getattr(fn, "__doc__", None)
         # JAX's and gradkit's messages about the trace name the user's function and its parameters.
-        vars(pure).update(__wrapped__=self._fn)
-        # a second Overridden over the pure function, with the same table
-        cls = cast("type[Overridden[_Pure]]", type(overridden))  # the same class, over the pure function
-        self._inner = cls(pure, overridden.table, overridden._strict)
+        vars(pure).update(__wrapped__=fn)
+        self._inner = override_pure(pure)
 
-        # One table, one cache of rule replacements: cache_info() of the function the user holds counts them.
-        self._inner._replacements = overridden._replacements
+    def clear_cache(self) -> None:
+        """Drops the pure function's programs and the ``nnx.jit`` made for the ahead-of-time stages."""
+        self._inner.clear_cache()
+        self._jitted = None
+
+    def staged(self, overridden: Callable[..., R], stage: str, args: tuple[object, ...],
+               kwargs: Mapping[str, object]) -> object:
+        """``nnx.jit(overridden).<stage>(*args, **kwargs)``: ``lower``, ``trace`` or ``eval_shape`` as ``nnx.jit``'s.
+
+        ``nnx.jit`` splits the graph nodes into pure arguments for JAX's stage
+        and wraps what it returns: the compiled function takes the modules
+        and writes their new state back; ``eval_shape`` changes nothing of the
+        caller's. Inside, ``overridden`` runs on the merged nodes as in any
+        call under ``nnx.jit``, so the program is the rewritten one.
+        """
+        jitted = self._jitted
+        if jitted is None:
+            with self._lock:
+                if self._jitted is None:
+                    self._jitted = self._nnx.jit(overridden)
+                jitted = self._jitted
+        method = getattr(jitted, stage, None)
+        if method is None:
+            version = getattr(sys.modules.get("flax"), "__version__", "?")
+            raise GradkitError(
+                f"override({callable_name(self._fn)}).{stage}: its arguments hold Flax NNX modules, which gradkit "
+                f"stages as nnx.jit does, and nnx.jit of this flax ({version}) has no .{stage}. Upgrade flax, or "
+                f"split the module yourself: graphdef, state = nnx.split(model), then .{stage} a function of the "
+                "state that calls nnx.merge(graphdef, state).")
+        return method(*args, **kwargs)
 
     # --- (1) and (4): outside, in the caller's trace
 
@@ -200,7 +225,7 @@ class _NNXCall(Generic[R]):
                 pure_args, pure_kwargs = self._map_nodes(split, (args, dict(kwargs)))
             nodes_out, out = self._inner(*pure_args, **pure_kwargs)
             if self._inner.trace_count != before:  # the function the user holds counts these traces
-                self._outer.trace_count += self._inner.trace_count - before
+                self._count(self._inner.trace_count - before)
             if nodes_out is not None or any(map(_is_split, jax.tree_util.tree_leaves(out, is_leaf=_is_split))):
                 self._check_writable(nodes)
             with nnx.merge_context(self, False) as mctx:
@@ -217,9 +242,9 @@ class _NNXCall(Generic[R]):
         """
         for _, x in self._nnx.iter_graph(nodes):
             if isinstance(x, self._nnx.Variable) and not getattr(x, "_can_update", True):
-                raise GradkitError(_trace_level_message(self._outer, x))
+                raise GradkitError(_trace_level_message(self._fn, x))
 
-    # --- (2) and (3): inside, while the second Overridden traces
+    # --- (2) and (3): inside, while the second overridden function traces
 
     def _inside(self, pure_args: tuple[object, ...], pure_kwargs: dict[str, object]) -> _Pure:
         nnx = self._nnx
@@ -266,9 +291,9 @@ def _merge_all(ctx: _MergeContext, tree: T) -> T:
     return merged  # the same structure, graph nodes in place of the splits
 
 
-def _trace_level_message(overridden: Overridden[object], variable: object) -> str:
+def _trace_level_message(fn: Callable[..., object], variable: object) -> str:
     return (
-        f"override({_fname(overridden)}): the Flax NNX state it changed cannot be written back: a "
+        f"override({callable_name(fn)}): the Flax NNX state it changed cannot be written back: a "
         f"{type(variable).__name__} of a module passed to it was created outside the JAX transform this call runs "
         "in (e.g. a model closed over by a jax.jit or jax.grad function), and Flax allows no update from another "
         "trace level. gradkit keeps NNX state changes as nnx.jit does, and refuses rather than drop them; nothing "
@@ -276,7 +301,3 @@ def _trace_level_message(overridden: Overridden[object], variable: object) -> st
         "nnx.value_and_grad, which carry NNX state, instead of jax.jit / jax.grad), or call the overridden "
         "function outside them.")
 
-
-def _fname(overridden: object) -> str:
-
-    return callable_name(getattr(overridden, "_fn", overridden))

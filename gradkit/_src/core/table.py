@@ -18,21 +18,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import sys
+import tomllib as _toml
 from collections.abc import Callable, Iterator, Mapping
 from typing import TypeVar, overload
 
 from gradkit._src.core import scope as _scope
 from gradkit._src.core.rule import Rule
 from gradkit._src.errors import GradkitError
-
-if sys.version_info >= (3, 11):
-    import tomllib as _toml
-else:  # pragma: no cover - Python 3.10: the `tomli` dependency
-    try:
-        import tomli as _toml
-    except ModuleNotFoundError:
-        _toml = None
 
 T = TypeVar("T")
 
@@ -64,7 +56,7 @@ class RuleTable(Mapping[str, Rule]):
       (['cos', 'sin'], True, 16)
     """
 
-    __slots__ = ("_rules", "_fingerprint", "_scoped")
+    __slots__ = ("_rules", "_fingerprint", "_scoped", "_origin")
 
     def __init__(self, rules: Mapping[str, object] | None = None, *, source: str | None = None):
         rules = {} if rules is None else rules
@@ -77,6 +69,7 @@ class RuleTable(Mapping[str, Rule]):
             self._rules: dict[str, Rule] = dict(rules._rules)
             self._fingerprint: str | None = rules._fingerprint
             self._scoped: dict[str, tuple[tuple[str, _scope.Scope, Rule], ...]] = rules._scoped
+            self._origin: dict[str, str] = rules._origin
             return
         checked: dict[str, Rule] = {}
         scoped: dict[str, list[tuple[str, _scope.Scope, Rule]]] = {}
@@ -97,6 +90,7 @@ class RuleTable(Mapping[str, Rule]):
         # op name -> its scoped entries, most specific first (ties: see rule_for)
         self._scoped = {op: tuple(sorted(entries, key=lambda e: e[1].rank, reverse=True))
                         for op, entries in scoped.items()}
+        self._origin = {}  # key -> the shipped table it came from (see shipped); not part of the content
 
     # Mapping protocol
     def __getitem__(self, name: str) -> Rule:
@@ -148,6 +142,23 @@ class RuleTable(Mapping[str, Rule]):
             if sc is not None:
                 out.append((key, sc, op))
         return out
+
+    def origin(self, key: str) -> str | None:
+        """The shipped table entry ``key`` came from (``"gk.tables.SAFE"``), through ``|`` and :meth:`within`.
+
+        ``None`` for an entry of your own (a dict, a config, a rule taken out
+        of a table into a dict). ``strict=True`` checks a shipped table as one
+        unit (some rule of it must match) and your own entries one by one.
+        Not part of the content: tables equal by content compare equal
+        whatever their origins.
+
+        Examples:
+          >>> import gradkit as gk
+          >>> t = gk.tables.SAFE.within("dec") | {"round": "straight_through"}
+          >>> t.origin("dec::sqrt"), t.origin("round")
+          ('gk.tables.SAFE', None)
+        """
+        return self._origin.get(key)
 
     def rule_for(self, name: str, scopes: tuple[str, ...],
                  where: str | Callable[[], str] = "unknown source line") -> tuple[str, Rule] | None:
@@ -247,16 +258,25 @@ class RuleTable(Mapping[str, Rule]):
         """
         outer = _scope.parse(scope, where="RuleTable.within")
         out: dict[str, Rule] = {}
+        origin: dict[str, str] = {}
         for key, rule in self._rules.items():
             sc, op = _scope.split_key(key)
-            out[_scope.join_key(outer if sc is None else sc.inside(outer), op)] = rule
-        return RuleTable(out)
+            new = _scope.join_key(outer if sc is None else sc.inside(outer), op)
+            out[new] = rule
+            if key in self._origin:
+                origin[new] = self._origin[key]
+        return _with_origin(RuleTable(out), origin)
 
     def __or__(self, other: Mapping[str, Rule]) -> RuleTable:
         if not isinstance(other, Mapping):
             return NotImplemented
-        other_rules = other._rules if isinstance(other, RuleTable) else RuleTable(other)._rules
-        return RuleTable({**self._rules, **other_rules})  # keys are normalized: the right side replaces
+        other_table = other if isinstance(other, RuleTable) else RuleTable(other)
+        other_rules = other_table._rules
+        merged = RuleTable({**self._rules, **other_rules})  # keys are normalized: the right side replaces
+        if not (self._origin or other_table._origin):
+            return merged
+        kept = {k: v for k, v in self._origin.items() if k not in other_rules}
+        return _with_origin(merged, {**kept, **other_table._origin})
 
     def __ror__(self, other: Mapping[str, Rule]) -> RuleTable:
         if not isinstance(other, Mapping):
@@ -352,6 +372,16 @@ class RuleTable(Mapping[str, Rule]):
         return cls.from_dict(data, source=path)
 
 
+def shipped(table: RuleTable, name: str) -> RuleTable:
+    """``table`` with every entry's :meth:`RuleTable.origin` set to ``name`` (the ready tables, ``gk.tables``)."""
+    return _with_origin(RuleTable(table), dict.fromkeys(table, name))
+
+
+def _with_origin(table: RuleTable, origin: dict[str, str]) -> RuleTable:
+    table._origin = origin
+    return table
+
+
 class _Library:
     """The rule library as tables see it: its rule names, and the maker of a rule from a name and parameters.
 
@@ -403,10 +433,6 @@ def _library_entry(op_name: str, entry: object, source: str | None, key: str | N
 
 
 def _load_toml(text: str, path: str) -> Mapping[str, object]:
-    if _toml is None:  # pragma: no cover - Python 3.10 without tomli
-        raise GradkitError(
-            f"reading {path}: TOML needs Python 3.11+ (tomllib) or the `tomli` package on Python 3.10. "
-            "Install it with `pip install tomli`, or pass a dict to gk.RuleTable.from_dict.")
     try:
         data: dict[str, object] = _toml.loads(text)
         return data

@@ -416,6 +416,21 @@ def _check_value(rule: LibraryRule, p: Param, value: object, where: str) -> Para
     return checked
 
 
+def rules_for(op_name: str, params: Mapping[str, object] | None = None) -> list[str]:
+    """The library rules a table entry for ``op_name`` may name: what a misspelt rule name is matched against.
+
+    A rule with a family (``safe``, ``stable``, ``broadened``) serves the ops
+    its family covers: the entry's op (less ``fn:``), or the ``op`` parameter
+    the entry gives; every other library rule serves any op. An entry that
+    gives parameters names only a rule that has them.
+    """
+    params = params or {}
+    target = params.get("op", op_name.removeprefix(FUNCTION_PREFIX))
+    return [name for name, rule in LIBRARY.items()
+            if (not rule.op_dependent or (isinstance(target, str) and target in FAMILIES[name]))
+            and set(params) <= {p.name for p in rule.params}]
+
+
 def make_rule(rule_name: str, op_name: str, params: Mapping[str, object] | None = None, *,
               where: str | None = None) -> Rule:
     """Builds library rule ``rule_name`` for table entry ``op_name`` with ``params``.
@@ -427,7 +442,7 @@ def make_rule(rule_name: str, op_name: str, params: Mapping[str, object] | None 
     where = where or f"table entry '{op_name}'"
     params = dict(params or {})
     if not isinstance(rule_name, str) or rule_name not in LIBRARY:
-        close = near_misses(str(rule_name), LIBRARY) if isinstance(rule_name, str) else []
+        close = near_misses(str(rule_name), rules_for(op_name, params)) if isinstance(rule_name, str) else []
         hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
         raise GradkitError(
             f"{where}: unknown rule {rule_name!r}{hint}. Valid rules: "

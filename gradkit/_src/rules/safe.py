@@ -57,6 +57,9 @@ class _Scale:
     source: compat.Atom  # the tangent-side atom
     factor: compat.Atom  # the primal atom
     divide: bool
+    # lax.mul's out_dtype (JAX 0.10+): operands of mixed dtypes, both converted to the result's dtype first,
+    # and the transpose in the tangent's own dtype, as JAX's mul and its transpose
+    out_dtype: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +135,8 @@ def _trace_program(prim: compat.Primitive, params: tuple[tuple[str, object], ...
                 if not _finite_literal(factor):  # a product with a finite constant needs no mask
                     # Each product masked on its own, in JAX's order of operations: the values are
                     # JAX's wherever nothing is 0 * inf, in forward and in reverse mode.
-                    kind, scale = _SCALE, _Scale(src, factor, name == "div")
+                    kind, scale = _SCALE, _Scale(src, factor, name == "div",
+                                                 eqn.params.get("out_dtype") is not None)
         kinds.append(kind)
         scales.append(scale)
     return _Program(jaxpr, tuple(consts), tuple(kinds), tuple(scales))
@@ -168,11 +172,16 @@ def as_dtype(x: ArrayLike, dtype: DTypeLike) -> jax.Array | np.ndarray:
 
 def _apply_scale(step: _Scale, env: dict[compat.Var, object], aval: compat.ShapedArray) -> jax.Array:
     shape, dtype = tuple(aval.shape), aval.dtype
-    d = jnp.broadcast_to(as_dtype(compat.read_atom(env, step.factor), dtype), shape)
+    d = compat.read_atom(env, step.factor)
+    d = jnp.broadcast_to(d if step.out_dtype and _is_array(d) else as_dtype(d, dtype), shape)
     u = compat.read_atom(env, step.source)
-    u = jnp.broadcast_to(u, shape) if np.shape(u) != shape else u  # a rank-0 operand
-    scaled: jax.Array = compat.safe_scale(u, d, divide=step.divide)
+    u = jnp.broadcast_to(u, shape) if np.shape(u) != shape else u  # a rank-0 or size-1 operand: broadcast
+    scaled: jax.Array = compat.safe_scale(u, d, divide=step.divide, out_dtype=dtype if step.out_dtype else None)
     return scaled
+
+
+def _is_array(x: object) -> bool:
+    return isinstance(x, (jax.Array, compat.Tracer, np.ndarray))
 
 
 def replay(prog: _Program, primals: Sequence[ArrayLike], tangents: Sequence[ArrayLike],

@@ -1,4 +1,9 @@
-"""The ready tables behind :mod:`gradkit.tables` (SAFE, STABLE, F32_BACKWARD, BROADENED, ...)."""
+"""The ready tables behind :mod:`gradkit.tables` (SAFE, STABLE, F32_BACKWARD, BROADENED, ...).
+
+Each is marked as shipped (``core.table.shipped``): ``strict=True`` checks it as
+one unit, through ``|`` and ``.within``. A table of ops the user names
+(:func:`upcast_backward`) is the user's own entries, checked one by one.
+"""
 
 from __future__ import annotations
 
@@ -7,18 +12,20 @@ from collections.abc import Mapping
 import jax.numpy as _jnp
 from jax.typing import DTypeLike
 
-from gradkit._src.core.table import RuleTable
+from gradkit._src.core.table import RuleTable, shipped
 from gradkit._src.rules import library as _lib
 from gradkit._src.rules import upcast as _up
 
-SAFE: RuleTable = RuleTable(_lib.ready_table("safe", "SAFE"))
+SAFE: RuleTable = shipped(RuleTable(_lib.ready_table("safe", "SAFE")), "gk.tables.SAFE")
 
-STRAIGHT_THROUGH: RuleTable = RuleTable(
-    {name: _lib.make_rule("straight_through", name) for name in ("round", "floor", "ceil", "sign")})
+STRAIGHT_THROUGH: RuleTable = shipped(RuleTable(
+    {name: _lib.make_rule("straight_through", name) for name in ("round", "floor", "ceil", "sign")}),
+    "gk.tables.STRAIGHT_THROUGH")
 
-STABLE: RuleTable = RuleTable(_lib.ready_table("stable", "STABLE"))
+STABLE: RuleTable = shipped(RuleTable(_lib.ready_table("stable", "STABLE")), "gk.tables.STABLE")
 
-STABLE_FUNCTIONS: RuleTable = RuleTable(_lib.ready_table("stable", "STABLE_FUNCTIONS"))
+STABLE_FUNCTIONS: RuleTable = shipped(RuleTable(_lib.ready_table("stable", "STABLE_FUNCTIONS")),
+                                      "gk.tables.STABLE_FUNCTIONS")
 
 
 # Chosen by measurement: benchmarks/bench_f32_backward.py --ablation (see the module docstring). "add":
@@ -56,7 +63,7 @@ def upcast_backward(*op_names: str, dtype: DTypeLike = _jnp.float32) -> RuleTabl
     return RuleTable(_up.upcast_table(list(op_names), dtype))
 
 
-F32_BACKWARD: RuleTable = upcast_backward(*_F32_BACKWARD_OPS)
+F32_BACKWARD: RuleTable = shipped(upcast_backward(*_F32_BACKWARD_OPS), "gk.tables.F32_BACKWARD")
 
 
 def broadened(eps: float | None = None) -> RuleTable:
@@ -95,12 +102,13 @@ def broadened(eps: float | None = None) -> RuleTable:
              [-0.5,  0. ]], dtype=float32)
     """
     extra = {} if eps is None else {"eps": eps}
-    return RuleTable({key: _lib.make_rule("broadened", key, {"op": r.op, **extra},
-                                          where=f"gk.tables.broadened(eps={eps!r})")
-                      for r in _lib.BROADENED_FAMILY.values() for key in r.keys})
+    table = RuleTable({key: _lib.make_rule("broadened", key, {"op": r.op, **extra},
+                                           where=f"gk.tables.broadened(eps={eps!r})")
+                       for r in _lib.BROADENED_FAMILY.values() for key in r.keys})
+    return shipped(table, "gk.tables.broadened()" if eps is None else f"gk.tables.broadened(eps={eps!r})")
 
 
-BROADENED: RuleTable = broadened()
+BROADENED: RuleTable = shipped(broadened(), "gk.tables.BROADENED")
 
 
 def library() -> Mapping[str, _lib.LibraryRule]:

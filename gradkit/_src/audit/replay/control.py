@@ -14,7 +14,6 @@ Operand layouts come from :mod:`gradkit._src.compat` (``scan_layout``…).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -25,11 +24,8 @@ from gradkit._src import compat
 from gradkit._src.audit.activity import call_body, scan_activity
 from gradkit._src.audit.provenance import Label
 from gradkit._src.audit.replay.leaf import LEAF
-from gradkit._src.audit.replay.state import Context, Ct, Frame, Handler
+from gradkit._src.audit.replay.state import Context, Ct, Frame, Handler, Runner
 from gradkit._src.core.dispatch import op_name
-
-if TYPE_CHECKING:  # the replay runs the handlers; they call back into it
-    from gradkit._src.audit.replay.replay import Replay
 
 Labels = list[Label | None]
 
@@ -62,7 +58,7 @@ def _sub(frame: Frame, idx: int) -> Frame:
     return sub
 
 class Scan:
-    def forward(self, rp: Replay, frame: Frame, idx: int, eqn: compat.JaxprEqn, invals: list[ArrayLike],
+    def forward(self, rp: Runner, frame: Frame, idx: int, eqn: compat.JaxprEqn, invals: list[ArrayLike],
                 act_in: list[bool], labels: Labels) -> tuple[list[ArrayLike], Labels]:
         lay = compat.scan_layout(eqn)
         body, bconsts = compat.jaxpr_parts(lay.body)
@@ -91,7 +87,7 @@ class Scan:
             l_stacked.append(_stack([l_ys[i][k] for i in range(n)], item) if n else None)
         return list(carry) + stacked, list(l_carry) + l_stacked
 
-    def backward(self, rp: Replay, frame: Frame, idx: int, eqn: compat.JaxprEqn, out_cts: list[Ct]) -> list[Ct]:
+    def backward(self, rp: Runner, frame: Frame, idx: int, eqn: compat.JaxprEqn, out_cts: list[Ct]) -> list[Ct]:
         frames = frame.subs[idx]
         assert isinstance(frames, list)  # what forward kept: one frame per iteration
         lay = compat.scan_layout(eqn)
@@ -128,7 +124,7 @@ class Scan:
 
 
 class Cond:
-    def forward(self, rp: Replay, frame: Frame, idx: int, eqn: compat.JaxprEqn, invals: list[ArrayLike],
+    def forward(self, rp: Runner, frame: Frame, idx: int, eqn: compat.JaxprEqn, invals: list[ArrayLike],
                 act_in: list[bool], labels: Labels) -> tuple[list[ArrayLike], Labels]:
         branches = compat.cond_layout(eqn).branches
         k = int(np.clip(int(np.asarray(invals[0])), 0, len(branches) - 1))
@@ -138,13 +134,13 @@ class Cond:
         frame.subs[idx] = sub
         return sub.outputs(), sub.output_labels()
 
-    def backward(self, rp: Replay, frame: Frame, idx: int, eqn: compat.JaxprEqn, out_cts: list[Ct]) -> list[Ct]:
+    def backward(self, rp: Runner, frame: Frame, idx: int, eqn: compat.JaxprEqn, out_cts: list[Ct]) -> list[Ct]:
         predicate: list[Ct] = [None]
         return predicate + rp.backward(_sub(frame, idx), out_cts)
 
 
 class While:
-    def forward(self, rp: Replay, frame: Frame, idx: int, eqn: compat.JaxprEqn, invals: list[ArrayLike],
+    def forward(self, rp: Runner, frame: Frame, idx: int, eqn: compat.JaxprEqn, invals: list[ArrayLike],
                 act_in: list[bool], labels: Labels) -> tuple[list[ArrayLike], Labels]:
         """Runs the loop one iteration at a time (births inside get the iteration number).
 
@@ -172,12 +168,12 @@ class While:
             carry, l_carry = sub.outputs(), sub.output_labels()
             k += 1
 
-    def backward(self, rp: Replay, frame: Frame, idx: int, eqn: compat.JaxprEqn, out_cts: list[Ct]) -> list[Ct]:
+    def backward(self, rp: Runner, frame: Frame, idx: int, eqn: compat.JaxprEqn, out_cts: list[Ct]) -> list[Ct]:
         return LEAF.backward(rp, frame, idx, eqn, out_cts)  # JAX's own error for an active while loop
 
 
 class Call:
-    def forward(self, rp: Replay, frame: Frame, idx: int, eqn: compat.JaxprEqn, invals: list[ArrayLike],
+    def forward(self, rp: Runner, frame: Frame, idx: int, eqn: compat.JaxprEqn, invals: list[ArrayLike],
                 act_in: list[bool], labels: Labels) -> tuple[list[ArrayLike], Labels]:
         body, consts = call_body(eqn)  # type: ignore[misc]  # Call is chosen only when there is one
         label = _jit_label(eqn)
@@ -186,7 +182,7 @@ class Call:
         frame.subs[idx] = sub
         return sub.outputs(), sub.output_labels()
 
-    def backward(self, rp: Replay, frame: Frame, idx: int, eqn: compat.JaxprEqn, out_cts: list[Ct]) -> list[Ct]:
+    def backward(self, rp: Runner, frame: Frame, idx: int, eqn: compat.JaxprEqn, out_cts: list[Ct]) -> list[Ct]:
         return rp.backward(_sub(frame, idx), out_cts)
 
 

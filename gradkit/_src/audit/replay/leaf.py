@@ -16,7 +16,7 @@ record which births every non-finite element came from.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -26,11 +26,8 @@ from jax.typing import ArrayLike
 from gradkit._src import compat
 from gradkit._src.audit.activity import is_float_aval
 from gradkit._src.audit.provenance import COPYING, READS_COTANGENT_ONLY, Label, Provenance, is_elementwise, sources
-from gradkit._src.audit.replay.state import Context, Ct, Frame, Values
+from gradkit._src.audit.replay.state import Context, Ct, Frame, Runner, Values
 from gradkit._src.checks.describe import nonfinite_mask
-
-if TYPE_CHECKING:  # the replay runs the handlers; they call back into it
-    from gradkit._src.audit.replay.replay import Replay
 
 
 def mask_of(x: object, kind: str = "any") -> np.ndarray | None:
@@ -104,13 +101,13 @@ class Leaf:
 
     # ------------------------------------------------------------------ forward
 
-    def forward(self, rp: Replay, frame: Frame, idx: int, eqn: compat.JaxprEqn, invals: list[ArrayLike],
+    def forward(self, rp: Runner, frame: Frame, idx: int, eqn: compat.JaxprEqn, invals: list[ArrayLike],
                 act_in: list[bool], labels: list[Label | None]) -> tuple[list[ArrayLike], list[Label | None]]:
         with compat.source_of(eqn):
             outs = compat.bind(eqn, invals)
         return outs, self.forward_labels(rp, frame.ctx, eqn, invals, labels, outs)
 
-    def forward_labels(self, rp: Replay, ctx: tuple[Context, ...], eqn: compat.JaxprEqn, invals: list[ArrayLike],
+    def forward_labels(self, rp: Runner, ctx: tuple[Context, ...], eqn: compat.JaxprEqn, invals: list[ArrayLike],
                        labels: list[Label | None], outs: list[ArrayLike]) -> list[Label | None]:
         bad = [mask_of(o) for o in outs]
         if not any(m is not None and m.any() for m in bad):
@@ -157,7 +154,7 @@ class Leaf:
         return result
 
     @staticmethod
-    def _births(rp: Replay, eqn: compat.JaxprEqn, phase: str, ctx: tuple[Context, ...], pos: int, label: np.ndarray,
+    def _births(rp: Runner, eqn: compat.JaxprEqn, phase: str, ctx: tuple[Context, ...], pos: int, label: np.ndarray,
                 born: dict[str, np.ndarray], values: Values) -> None:
         for kind in ("nan", "inf"):
             if born[kind].any():
@@ -165,7 +162,7 @@ class Leaf:
 
     # ------------------------------------------------------------------ backward
 
-    def backward(self, rp: Replay, frame: Frame, idx: int, eqn: compat.JaxprEqn, out_cts: list[Ct]) -> list[Ct]:
+    def backward(self, rp: Runner, frame: Frame, idx: int, eqn: compat.JaxprEqn, out_cts: list[Ct]) -> list[Ct]:
         invals = [frame.read(a) for a in eqn.invars]
         dyn = tuple(k for k, a in enumerate(eqn.invars) if frame.is_active(a) and is_float_aval(a.aval))
         if not dyn:

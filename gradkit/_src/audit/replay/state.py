@@ -1,5 +1,11 @@
 """What the replay keeps: where an equation runs, the values of a jaxpr evaluation, and births.
 
+It also says what a handler sees of the replay that runs it (:class:`Runner`),
+so that the handlers (``leaf``, ``control``) import the replay's types from
+here, never the replay (:class:`gradkit._src.audit.replay.replay.Replay`),
+which imports them: the package imports one way, ``state`` → ``leaf`` →
+``control`` → ``replay``.
+
 A *birth* is an equation, pass and kind (``log``, forward, inf) at which
 non-finite elements appeared from finite ones (for an inf) or NaN-free ones
 (for a NaN). It aggregates over loop iterations; for each element it was born
@@ -11,18 +17,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol, TypedDict
+from typing import Protocol, TypedDict
 
 import jax
 import numpy as np
 from jax.typing import ArrayLike
 
 from gradkit._src import compat
-from gradkit._src.audit.provenance import Label
+from gradkit._src.audit.provenance import Label, Provenance
 from gradkit._src.core.dispatch import op_name
-
-if TYPE_CHECKING:  # the replay runs the handlers; they call back into it
-    from gradkit._src.audit.replay.replay import Replay
 
 # A cotangent and its labels; None is a zero cotangent.
 Ct = tuple[jax.Array | np.ndarray, Label | None] | None
@@ -146,10 +149,32 @@ class Frame:
         return [self.label(a) for a in self.jaxpr.outvars]
 
 
-class Handler(Protocol):
-    """How the replay runs one kind of equation forward and backward (see :mod:`replay_control`)."""
+class Runner(Protocol):
+    """What a handler sees of the replay that runs it (:class:`~gradkit._src.audit.replay.replay.Replay`).
 
-    def forward(self, rp: Replay, frame: Frame, idx: int, eqn: compat.JaxprEqn, invals: list[ArrayLike],
+    A handler of an equation that holds a program runs it through ``forward``
+    and ``backward``; a leaf records its births with ``record``.
+    """
+
+    prov: Provenance
+    max_while: int
+
+    def forward(self, jaxpr: compat.Jaxpr, consts: Sequence[ArrayLike], args: Sequence[ArrayLike],
+                active: Sequence[bool], labels: Sequence[Label | None] | None = None,
+                ctx: tuple[Context, ...] = ()) -> Frame: ...
+
+    def backward(self, frame: Frame, out_cts: Sequence[Ct]) -> list[Ct]: ...
+
+    def add_ct(self, a: Ct, b: Ct) -> Ct: ...
+
+    def record(self, eqn: compat.JaxprEqn, phase: str, kind: str, ctx: tuple[Context, ...], pos: int,
+               mask: np.ndarray, label: Label, values: Values) -> None: ...
+
+
+class Handler(Protocol):
+    """How the replay runs one kind of equation forward and backward (see :mod:`.control`, :mod:`.leaf`)."""
+
+    def forward(self, rp: Runner, frame: Frame, idx: int, eqn: compat.JaxprEqn, invals: list[ArrayLike],
                 act_in: list[bool], labels: list[Label | None]) -> tuple[list[ArrayLike], list[Label | None]]: ...
 
-    def backward(self, rp: Replay, frame: Frame, idx: int, eqn: compat.JaxprEqn, out_cts: list[Ct]) -> list[Ct]: ...
+    def backward(self, rp: Runner, frame: Frame, idx: int, eqn: compat.JaxprEqn, out_cts: list[Ct]) -> list[Ct]: ...
