@@ -31,7 +31,14 @@ matches functions by name.
   ``jit(grad(...))`` or ``jit(jvp(...))`` is bit-identical to JAX's; when one
   value receives three or more cotangents, XLA may sum them in another order,
   and where XLA's simplifier merges two of JAX's own quotients (JAX 0.8's
-  ``atanh``') SAFE keeps them apart (last-bit differences).
+  ``atanh``') SAFE keeps them apart (last-bit differences). So do a ``jvp``
+  that sums two products (``atan2``, ``div`` with both operands varying: XLA
+  fuses one of them with the sum into a multiply-add, and which one depends
+  on the program) and a quotient by an operand broadcast along a size-1
+  dimension (XLA computes JAX's as a product by the reciprocal). Every
+  signature of the primitives is served: ``lax.mul``'s ``out_dtype`` with
+  mixed operand dtypes (its derivative computed in the dtypes JAX's is),
+  weak types, broadcasting operands, integer operands.
 
   What it does not fix:
 

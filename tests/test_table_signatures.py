@@ -12,10 +12,16 @@ A wrapper parameter or an equation parameter the test does not know fails
 ``test_every_parameter_is_known``: a new JAX parameter shows up as a failing
 case, not as an untested signature.
 
-Each case is checked in value, ``vjp`` and ``jvp`` (all three in one compiled
-program, and the cases of one primitive share it) against its table's own oracle:
+Each case is checked in value, ``vjp`` and ``jvp`` against its table's own
+oracle. The cases of one primitive share one compiled program, each
+transform of each case on its own parameters; a case that fails there is
+judged again as a user compiles it, each transform its own program
+(:func:`_run`, :func:`_alone`):
 
-* SAFE: plain JAX, bit for bit (the points are not singular);
+* SAFE: plain JAX, bit for bit (the points are not singular), but for the
+  last-bit differences tables.py documents: JAX's atanh' up to 0.10, a jvp
+  that sums two products, a quotient by an operand broadcast along a size-1
+  dimension (1 ULP), the sign of a zero from a 0/1 indicator in bfloat16;
 * the opt-in SAFE ``exp``/``dot_general``: plain JAX within a few ULP (XLA
   may round the last bit differently, tables.py says);
 * STABLE: the exact derivative within 2 ULP (test_stable.py's bound), the
@@ -128,7 +134,7 @@ DOMAIN: dict[str, tuple[tuple[float, float], ...]] = {
 INT_OK = {"square", "sign", "integer_pow", "reduce_max", "reduce_min", "div", "rem", "max", "min", "mul", "add",
           "dot_general"}
 BOOL_OK = {"max", "min"}
-NO_BF16 = {"eigh", "svd", "lgamma", "digamma", "erf_inv"}  # (no bfloat16 kernels in LAPACK; special functions: f32+)
+NO_BF16 = {"eigh", "svd"}  # (LAPACK has no bfloat16 kernels)
 
 
 # --------------------------------------------------------------------------- cases
@@ -227,6 +233,12 @@ def _operand_forms(prim: str) -> list[tuple[str, tuple[Operand, ...]]]:
     return forms
 
 
+# Operand forms of the slow run only (-m slow): float64 (its own compilation context) and more shapes of
+# what the default forms already cover. The float64 cases that mix dtypes (out_dtype, preferred_element_type)
+# are in the default run.
+FULL_ONLY = {"f64", "f64_weak", "batched", "wide", "int_exponent_rank0", "rank0_lhs", "weak_lhs"}
+
+
 # lax.mul's out_dtype (JAX 0.10+): mixed operand dtypes, widening and narrowing results.
 MUL_OUT_DTYPE: list[tuple[str, tuple[str, str], str]] = [
     ("f32*f64->f64", ("float32", "float64"), "float64"),
@@ -293,7 +305,7 @@ def cases_of(prim: str, full: bool = False) -> list[Case]:
     """
     params = _wrapper_params(prim)
     base = _base_kwargs(prim)
-    forms = _operand_forms(prim)
+    forms = [f for f in _operand_forms(prim) if full or f[0] not in FULL_ONLY]
     out: list[Case] = []
 
     def add(form_id: str, ops: tuple[Operand, ...], kwargs: dict[str, object], label: str) -> None:
@@ -440,14 +452,23 @@ def _context(case: Case):
 
 
 def _directions(case: Case, args: list[object], out_struct: object, table: str) -> tuple[list[object], object]:
-    """Tangents of the float operands and cotangents of the float outputs: powers of two (exact scaling)."""
-    rng = np.random.default_rng(7)
+    """Tangents of the float operands and cotangents of the float outputs.
+
+    Where the oracle is plain JAX, any numbers (a product by them rounds, so an operation done in another
+    dtype or order shows); where it is a derivative's definition (STABLE, STRAIGHT_THROUGH), powers of two,
+    by which a product is exact.
+    """
+    rng = np.random.default_rng(zlib.crc32(case.name.encode()) + 1)
+    exact = table in ("STABLE", "STRAIGHT_THROUGH")
     pick = np.array([0.5, 1.0, 2.0, -1.0, -0.25, 4.0])
 
+    def draw(shape: tuple[int, ...]) -> np.ndarray:
+        return rng.choice(pick, size=shape) if exact else rng.uniform(-2.0, 2.0, size=shape)
+
     def direction(shape: tuple[int, ...], dtype: np.dtype) -> object:
-        v = rng.choice(pick, size=shape)
+        v = draw(shape)
         if np.dtype(dtype).kind == "c":
-            v = v + 1j * rng.choice(pick, size=shape)
+            v = v + 1j * draw(shape)
         return np.asarray(v, dtype)
 
     ts = [jnp.asarray(direction(np.shape(a), jnp.result_type(a))) if _inexact(a) else None for a in args]
@@ -486,9 +507,6 @@ def _jvp(g: Callable[..., object], args: list[object], ts: list[object], cts: ob
     return jax.tree_util.tree_map(lambda x: x if jnp.issubdtype(x.dtype, jnp.inexact) else None, t_out)
 
 
-# Each transform is its own program, as a user compiles jit(f), jit(grad(f)), jit(jvp(f)): XLA:CPU compiles an
-# elementwise function (polygamma, in digamma's derivative) to other roundings when more of the program is
-# fused with it, in plain JAX as much as under a table, so the comparisons are made program for program.
 TRANSFORMS = {"value": _value, "vjp": _vjp, "jvp": _jvp}
 
 
@@ -512,18 +530,36 @@ def _prepare(case: Case, table: str) -> Prepared:
     return Prepared(case, op, args, ts, cts)
 
 
-def _run_group(preps: list[Prepared], fns: list[Callable[..., object]]) -> list[dict[str, object]]:
-    """All cases' value, vjp and jvp: one compiled program per transform, for all the cases."""
-    results: list[dict[str, object]] = [{} for _ in preps]
-    inputs = [(p.args, p.ts, p.cts) for p in preps]
-    for name, transform in TRANSFORMS.items():
-        def program(inputs: list[tuple[list[object], list[object], object]], transform=transform) -> list[object]:
-            return [transform(f, a, t, c) for f, (a, t, c) in zip(fns, inputs)]
+Side = tuple[list["Prepared"], list[Callable[..., object]]]  # cases, and the function each is run with
 
-        out = jax.tree_util.tree_map(np.asarray, jax.jit(program)(inputs))
-        for r, o in zip(results, out):
-            r[name] = o
-    return results
+
+def _run(sides: list[Side]) -> list[list[dict[str, object]]]:
+    """Value, vjp and jvp of every case on every side (plain JAX, the table, a reference): one compiled program.
+
+    Each (side, transform, case) reads its own parameters of the program, so its computation shares nothing
+    with another's: XLA compiles it as it compiles that transform of that case alone (jit(f), jit(grad(f)),
+    jit(jvp(f)), as a user does). Shared operands would let XLA fuse and reuse across them, and XLA:CPU
+    compiles an elementwise function (polygamma, in digamma's derivative) to other roundings in another
+    fusion, in plain JAX as much as under a table. One program for the lot: a compilation is most of the
+    time a case costs.
+    """
+    names = list(TRANSFORMS)
+
+    def program(inputs: list[list[list[tuple[list[object], list[object], object]]]]) -> list[list[list[object]]]:
+        return [[[TRANSFORMS[n](f, a, t, c) for f, (a, t, c) in zip(fns, ins)] for n, ins in zip(names, per_t)]
+                for (_, fns), per_t in zip(sides, inputs)]
+
+    inputs = [[[(p.args, p.ts, p.cts) for p in preps] for _ in names] for preps, _ in sides]
+    out = jax.tree_util.tree_map(np.asarray, jax.jit(program)(inputs))
+    return [[{n: out[s][k][i] for k, n in enumerate(names)} for i in range(len(preps))]
+            for s, (preps, _) in enumerate(sides)]
+
+
+def _alone(p: Prepared, fn: Callable[..., object]) -> dict[str, object]:
+    """Value, vjp and jvp of one case, each its own compiled program: what a user's jit(f), jit(grad(f)),
+    jit(jvp(f)) compute."""
+    return {n: jax.tree_util.tree_map(np.asarray, jax.jit(functools.partial(tr, fn))(p.args, p.ts, p.cts))
+            for n, tr in TRANSFORMS.items()}
 
 
 # --------------------------------------------------------------------------- oracles
@@ -621,8 +657,8 @@ def _low(p: Prepared) -> bool:
     return any(_inexact(a) and jnp.finfo(jnp.result_type(a)).bits < 32 for a in p.args)
 
 
-def f32_reference(preps: list[Prepared]) -> list[dict[str, object]]:
-    """JAX's derivative of each op computed in float32 (operands and directions upcast), cast back."""
+def f32_reference(preps: list[Prepared]) -> Side:
+    """The cases with operands and directions upcast to float32, run with JAX's own derivative."""
     ups, fns = [], []
     for p in preps:
         def up(x: object) -> object:
@@ -632,7 +668,7 @@ def f32_reference(preps: list[Prepared]) -> list[dict[str, object]]:
         ups.append(dataclasses.replace(p, args=[up(a) for a in p.args], ts=[up(t) for t in p.ts],
                                        cts=jax.tree_util.tree_map(up, p.cts)))
         fns.append(p.op)
-    return _run_group(ups, fns)
+    return ups, fns
 
 
 def _cast_like(ref: dict[str, object], got: dict[str, object]) -> dict[str, object]:
@@ -657,12 +693,68 @@ def _atanh_two_quotients() -> bool:
     return any(e.primitive.name == "mul" for e in jvp.eqns)
 
 
+def _two_terms(p: Prepared) -> bool:
+    """The jvp of a two-operand primitive whose operands both carry a tangent: a sum of two products."""
+    return len(p.args) == 2 and all(t is not None for t in p.ts)
+
+
+def check_safe(p: Prepared, got: dict[str, object], want: dict[str, object], alone: bool) -> list[str]:
+    """Plain JAX bit for bit (JAX's atanh' up to 0.10: 2.5 ULP, tables.py).
+
+    ``alone``: compiled as a user compiles each transform. There, a sum of two products (the jvp of
+    atan2 or div with both operands varying) may differ in the last bit: XLA contracts one product and
+    the sum into a fused multiply-add, which one depending on how it fused the program (tables.py), so it
+    is within 2 eps of the two terms' magnitudes, each term computed by plain JAX alone.
+    """
+    case = p.case
+    bad = _compare_bits(case, got, want, ("value", "vjp", "jvp"), ulps=_safe_ulps(case))
+    if alone and bad and _low(p) and _equal_up_to_zero_sign(got, want):
+        # XLA folds JAX's t * convert(b) (reduce_max's 0/1 indicator) into select(b, t, 0), as SAFE writes it,
+        # in float32 and float64; in bfloat16 the multiply is done in float32 between two converts and
+        # stays one: t * 0 is -0 for a negative t there. The sign of a zero only.
+        return []
+    if alone and bad and _broadcast_divisor(p) and _within_ulps(got, want, ("vjp",), 1.0):
+        # XLA:CPU computes JAX's quotient by an operand broadcast along a size-1 dimension as a product by
+        # its reciprocal (two roundings); SAFE's masked quotient divides (tables.py): the last bit (in the
+        # jvp, a term of the sum below).
+        bad = [b for b in bad if " vjp" not in b]
+    if not (alone and _two_terms(p) and bad and all(" jvp" in b for b in bad)):
+        return bad
+    terms = []
+    for k in range(2):
+        ts = [t if j == k else jnp.zeros_like(t) for j, t in enumerate(p.ts)]
+        terms.append(np.asarray(jax.jit(functools.partial(_jvp, p.op))(p.args, ts, p.cts), np.float64))
+    g, w = np.asarray(got["jvp"], np.float64), np.asarray(want["jvp"], np.float64)
+    eps = float(np.finfo(np.asarray(want["jvp"]).dtype).eps)
+    if np.all(np.abs(g - w) <= 2 * eps * (np.abs(terms[0]) + np.abs(terms[1]))):
+        return []
+    return bad
+
+
+def _equal_up_to_zero_sign(got: dict[str, object], want: dict[str, object]) -> bool:
+    pairs = [(a, b) for k in ("value", "vjp", "jvp") for a, b in zip(_leaves(got[k]), _leaves(want[k]))]
+    return all(np.asarray(a).dtype == np.asarray(b).dtype and np.array_equal(a, b, equal_nan=True) for a, b in pairs)
+
+
+def _broadcast_divisor(p: Prepared) -> bool:
+    """A div whose divisor broadcasts along a size-1 dimension (not a rank-0 one)."""
+    return p.case.prim == "div" and 0 < np.ndim(p.args[-1]) and np.size(p.args[-1]) < np.size(p.args[0])
+
+
+def _within_ulps(got: dict[str, object], want: dict[str, object], what: tuple[str, ...], ulps: float) -> bool:
+    for k in what:
+        for a, b in zip(_leaves(got[k]), _leaves(want[k])):
+            if _ulps(a, b, np.asarray(b).dtype) > ulps:
+                return False
+    return True
+
+
 def check(table: str, p: Prepared, got: dict[str, object], want: dict[str, object],
-          ref32: dict[str, object] | None) -> list[str]:
+          ref32: dict[str, object] | None, alone: bool = False) -> list[str]:
     case = p.case
     all3 = ("value", "vjp", "jvp")
     if table == "SAFE":
-        return _compare_bits(case, got, want, all3, ulps=_safe_ulps(case))
+        return check_safe(p, got, want, alone)
     if table == "SAFE_OPT_IN":
         return _compare_bits(case, got, want, all3, ulps=4.0)
     if table == "STABLE":
@@ -713,22 +805,42 @@ def _groups_of(cases: list[Case]) -> dict[tuple[bool, bool, bool], list[Case]]:
     return out
 
 
-def _each(preps: list[Prepared], fns: list[Callable[..., object]]
-          ) -> tuple[list[dict[str, object] | None], list[BaseException | None]]:
-    """The group's results in one program; where that fails, case by case (with each case's error)."""
+def _each(sides: list[Side]) -> tuple[list[list[dict[str, object] | None]], list[list[BaseException | None]]]:
+    """Every side's results in one program, with each case's error where it has one.
+
+    Where the program fails, a case that fails to trace (JAX's own refusal, a rule's error) is found by
+    tracing it alone, abstractly, and left out; a failure only the compilation finds is found case by case.
+    """
     try:
-        return list(_run_group(preps, fns)), [None] * len(preps)
+        return _run(sides), [[None] * len(preps) for preps, _ in sides]  # type: ignore[return-value]
     except Exception:
         pass
-    results: list[dict[str, object] | None] = []
-    errors: list[BaseException | None] = []
-    for p, f in zip(preps, fns):
-        try:
-            results.append(_run_group([p], [f])[0])
-            errors.append(None)
-        except Exception as e:
-            results.append(None)
-            errors.append(e)
+    errors: list[list[BaseException | None]] = []
+    for preps, fns in sides:
+        errors.append([])
+        for p, f in zip(preps, fns):
+            try:
+                jax.eval_shape(lambda a, t, c, f=f: {n: tr(f, a, t, c) for n, tr in TRANSFORMS.items()},
+                               p.args, p.ts, p.cts)
+                errors[-1].append(None)
+            except Exception as e:
+                errors[-1].append(e)
+    live = [([p for p, e in zip(preps, errs) if e is None], [f for f, e in zip(fns, errs) if e is None])
+            for (preps, fns), errs in zip(sides, errors)]
+    results: list[list[dict[str, object] | None]] = [[None] * len(errs) for errs in errors]
+    try:
+        ran = _run(live)
+        for res, errs, out in zip(results, errors, ran):
+            for i, r in zip([i for i, e in enumerate(errs) if e is None], out):
+                res[i] = r
+    except Exception:
+        for (preps, fns), res, errs in zip(sides, results, errors):
+            for i, (p, f) in enumerate(zip(preps, fns)):
+                if errs[i] is None:
+                    try:
+                        res[i] = _run([([p], [f])])[0][0]
+                    except Exception as e:
+                        errs[i] = e
     return results, errors
 
 
@@ -743,13 +855,14 @@ def _run_table_case_group(table: str, cases: list[Case]) -> list[str]:
     for group in _groups_of(cases).values():
         with _context(group[0]):
             preps = [_prepare(c, table) for c in group]
-            plain, refused = _each(preps, [p.op for p in preps])
-            over, errors = _each(preps, [gk.override(p.op, rules, strict=True) for p in preps])
-            served = [i for i, (e, r) in enumerate(zip(errors, refused)) if e is None and r is None]
-            ref32: dict[int, dict[str, object]] = {}
-            low = [i for i in served if table == "F32_BACKWARD" and _low(preps[i])]
+            sides: list[Side] = [(preps, [p.op for p in preps]),
+                                 (preps, [gk.override(p.op, rules, strict=True) for p in preps])]
+            low = [i for i, p in enumerate(preps) if table == "F32_BACKWARD" and _low(p)]
             if low:
-                ref32 = dict(zip(low, f32_reference([preps[i] for i in low])))
+                sides.append(f32_reference([preps[i] for i in low]))
+            results, errs = _each(sides)
+            (plain, over), (refused, errors) = results[:2], errs[:2]
+            ref32 = dict(zip(low, results[2])) if low else {}
             for i, p in enumerate(preps):
                 got, error, jax_error = over[i], errors[i], refused[i]
                 if error is not None:
@@ -757,7 +870,14 @@ def _run_table_case_group(table: str, cases: list[Case]) -> list[str]:
                 elif jax_error is not None:  # the table serves what JAX refuses (BROADENED's full_matrices)
                     failures += _judge_served(p, got, jax_error)
                 else:
-                    failures += check(table, p, got, plain[i], ref32.get(i))
+                    bad = check(table, p, got, plain[i], ref32.get(i))
+                    if bad:  # judged again as a user compiles it: each transform of the case alone (_run)
+                        ref = None
+                        if i in ref32:
+                            ups, fns = sides[2]
+                            ref = _alone(ups[low.index(i)], fns[low.index(i)])
+                        bad = check(table, p, _alone(p, sides[1][1][i]), _alone(p, p.op), ref, alone=True)
+                    failures += bad
     return failures
 
 

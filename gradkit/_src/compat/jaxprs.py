@@ -284,6 +284,11 @@ def is_shard_map(eqn: JaxprEqn) -> bool:
     return eqn.primitive.name == "shard_map"
 
 
+def is_loop(eqn: JaxprEqn) -> bool:
+    """A ``scan`` or ``while``: its body is traced once and runs for every iteration."""
+    return eqn.primitive.name in ("scan", "while")
+
+
 def body_context(eqn: JaxprEqn) -> contextlib.AbstractContextManager[Any]:
     """The context JAX traces ``eqn``'s sub-programs in (what tracing more code for them needs).
 

@@ -92,7 +92,7 @@ def _converted(x: jax.Array, dtype: np.dtype | None) -> jax.Array:
     return x if dtype is None or x.dtype == dtype else _lax.convert_element_type(x, dtype)
 
 
-def _safe_scale_value(t: jax.Array, d: jax.Array, *, divide: bool, out_dtype: np.dtype | None) -> jax.Array:
+def _safe_scale_value(t: jax.Array, d: jax.Array, *, divide: bool, out_dtype: np.dtype | None = None) -> jax.Array:
     tm, dm = _masked_operands(_converted(t, out_dtype), _converted(d, out_dtype), divide)
     return _lax.div(tm, dm) if divide else _lax.mul(tm, dm)
 

@@ -40,7 +40,8 @@ def name_scopes(eqn: JaxprEqn) -> tuple[str, ...]:
 
     ``jax.named_scope("enc")`` gives ``("enc",)``; Flax linen's module path
     ``Model/enc/Dense_0`` gives ``("Model", "enc", "Dense_0")`` (a name with
-    ``/`` is split there); Equinox records ``("eqx.nn.MLP", "eqx.nn.Linear")``.
+    ``/`` is split there); Equinox records ``("eqx.nn.MLP", "eqx.nn.Linear")``;
+    gradkit's module-path entries read ``(".enc", ".lin")`` (``core.scope``).
     Transform entries (``vmap()``, ``jvp()``) are not scopes and are left out.
     An equation inside a sub-program (a scan body, a jitted function) carries
     its stack relative to the enclosing equation: the caller prepends that

@@ -36,7 +36,7 @@ import jax
 
 from gradkit._src import compat
 from gradkit._src.core import args as _args
-from gradkit._src.core import named, nnx_state, strict, walk
+from gradkit._src.core import module_paths, named, nnx_state, strict, walk
 from gradkit._src.core.cache import LRU
 from gradkit._src.core.rule import Rule
 from gradkit._src.core.splice import CacheInfo, Replacements, Splicer, op_name
@@ -316,7 +316,8 @@ class Overridden(Generic[R]):
         if route is None:
             with self._lock:
                 if self._nnx is None:
-                    self._nnx = nnx_state.Route(self._fn, self._override_pure, self._add_traces)
+                    self._nnx = nnx_state.Route(self._fn, self._override_pure, self._add_traces,
+                                                scoped=bool(self._table.scoped_ops))
                 route = self._nnx
         return route
 
@@ -383,12 +384,19 @@ class Overridden(Generic[R]):
 
     def _flat_fn(self, split: _args.Split, out_box: list[jax.tree_util.PyTreeDef | None],
                  count: bool) -> Callable[..., list[object]]:
+        scoped = bool(self._table.scoped_ops)
+
         def flat(*dyn: object) -> list[object]:
             if count:
                 with self._lock:
                     self.trace_count += 1
             args, kwargs = split.combine(dyn)
-            out_leaves, out_box[0] = jax.tree_util.tree_flatten(self._fn(*args, **kwargs))
+            # Scoped rules: the Equinox modules among the arguments are inside their attribute paths while they
+            # run (NNX modules: nnx_state); otherwise, and for a trace inside this one, module calls enter nothing.
+            ids = module_paths.equinox_paths((args, kwargs)) if scoped else None
+            with module_paths.tracing(ids, [p for ps in (ids or {}).values() for p in ps]):
+                out = self._fn(*args, **kwargs)
+            out_leaves, out_box[0] = jax.tree_util.tree_flatten(out)
             return out_leaves
         # JAX's messages about this trace name the user's function, not `flat`
         # (the signature stays flat's own: `dyn[i]`, explained by _trace's note).
@@ -400,7 +408,7 @@ class Overridden(Generic[R]):
         """Traces ``fn`` for this signature and splices the table's rules into its program."""
         out_box: list[jax.tree_util.PyTreeDef | None] = [None]
         try:
-            with named.pinning() as named_ops:
+            with named.pinning() as named_ops, module_paths.collecting() as found:
                 outer = compat.trace_jit(self._flat_fn(split, out_box, count), dyn)
         except compat.CONCRETIZATION_ERRORS as e:
             # JAX's error type is kept (code catching it keeps working); the note
@@ -415,8 +423,9 @@ class Overridden(Generic[R]):
             raise
         (call,) = compat.jaxpr_parts(outer)[0].eqns
         body = call.params["jaxpr"]
+        strict.check_indices(self._fn, self._table, body)  # an index inside a loop's stack: an error, always
         if self._strict:
-            strict.check(self._fn, self._table, body)
+            strict.check(self._fn, self._table, body, found)
         splicer = Splicer(self._table, self._replacements)
         new_body = walk.Rewrite(splicer, scoped=splicer.scoped)(body)
         if new_body is not body:

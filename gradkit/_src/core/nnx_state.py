@@ -38,6 +38,7 @@ import jax
 import numpy as np
 
 from gradkit._src import compat
+from gradkit._src.core import module_paths
 from gradkit._src.errors import GradkitError, callable_name
 
 __all__ = ["Route", "has_graph_nodes"]
@@ -95,6 +96,8 @@ def _is_split(x: object) -> bool:
 
 # Values that are never graph nodes and hold none: the common arguments skip the pytree walk.
 _PLAIN: frozenset[type] = frozenset({compat.ArrayImpl, int, float, bool, complex, str, type(None), _Split})
+_LEAVES = (compat.ArrayImpl, compat.Tracer, np.ndarray, np.generic, int, float, bool, complex, str, bytes,
+           type(None))
 
 
 def _graph_node_test(nnx: ModuleType) -> Callable[[object], bool]:
@@ -150,7 +153,7 @@ class Route(Generic[R]):
     """
 
     def __init__(self, fn: Callable[..., R], override_pure: Callable[[Callable[..., _Pure]], Inner],
-                 count: Callable[[int], None]) -> None:
+                 count: Callable[[int], None], *, scoped: bool = False) -> None:
         nnx = sys.modules[_NNX]
         if not all(hasattr(nnx, n) for n in ("update_context", "split_context", "merge_context", "SplitContext")) \
                 or not hasattr(nnx.SplitContext, "flatten"):
@@ -164,6 +167,7 @@ class Route(Generic[R]):
         self._fn = fn
         self._count = count
         self._is_node = _graph_node_test(nnx)
+        self._scoped = scoped  # the table has scoped rules: modules are inside their attribute paths while fn runs
         self._jitted: object | None = None  # nnx.jit of the overridden function, for .lower/.trace/.eval_shape
         self._lock = threading.Lock()
 
@@ -253,7 +257,19 @@ class Route(Generic[R]):
             args, kwargs = _merge_all(ctx, (pure_args, pure_kwargs))
         nodes = [x for x in jax.tree_util.tree_leaves((args, kwargs), is_leaf=self._is_node) if self._is_node(x)]
         before = self._snapshot(nodes)
-        out = self._fn(*args, **kwargs)
+        if not self._scoped:
+            out = self._fn(*args, **kwargs)
+        else:
+            token = object()  # this trace's: a module's paths from any other trace are not read
+            tagged = self._tag((args, kwargs), token)
+            ids = module_paths.equinox_paths((args, kwargs))
+            found = [*(p for ps in tagged.values() for p in ps), *(p for ps in ids.values() for p in ps)]
+            out = None
+            try:
+                with module_paths.tracing(ids, found, token):
+                    out = self._fn(*args, **kwargs)
+            finally:  # the paths go before anything is split: the state written back is fn's alone
+                self._untag([*nodes, *self._nodes_in(out)])
         changed = not _same(before, self._snapshot(nodes))
         sctx: _SplitContext
         with nnx.split_context(self) as sctx:
@@ -264,6 +280,56 @@ class Route(Generic[R]):
             # a read-only module keeps working where writing would fail, e.g. one closed over by a jax.grad
             # function, whose Variables belong to the trace outside it.
             return [split(n) for n in nodes] if changed else None, self._map_nodes(split, out)
+
+    # --- module paths as scopes (module_paths): on the merged copies only, never on the caller's nodes
+
+    def _nodes_in(self, tree: object) -> list[object]:
+        return [x for x in jax.tree_util.tree_leaves(tree, is_leaf=self._is_node) if self._is_node(x)]
+
+    def _tag(self, tree: object, token: object) -> dict[int, tuple[module_paths.Path, ...]]:
+        """Each module reachable from the call's arguments carries this trace's ``token`` and its attribute paths
+        (:data:`module_paths.TAG`).
+
+        A static attribute: the copies Flax's transforms make inside ``fn``
+        (``nnx.vmap``, ``nnx.scan``, ``nnx.remat``) carry it too. Set without
+        Flax's attribute bookkeeping, so that removing it leaves the module
+        exactly as it was. ``nnx.List``/``nnx.Dict`` hold their entries and
+        run nothing: their entries carry the paths.
+        """
+        nnx = self._nnx
+        containers = tuple(getattr(nnx, n) for n in ("List", "Dict") if hasattr(nnx, n))
+
+        def is_module(x: object) -> bool:
+            return isinstance(x, nnx.Module) and not isinstance(x, containers)
+
+        found = module_paths.find(module_paths.roots(tree, self._is_node), self._children, is_module)
+        for node, paths in found.values():
+            module_paths.wrap_methods(type(node), nnx.Module)
+            object.__setattr__(node, module_paths.TAG, (token, tuple(paths)))
+        return {i: tuple(paths) for i, (_, paths) in found.items()}
+
+    def _children(self, node: object) -> list[tuple[module_paths.Path, object]]:
+        """The graph nodes an NNX node holds, each with its key path: attributes, list/dict entries."""
+        out: list[tuple[module_paths.Path, object]] = []
+        variable = self._nnx.Variable
+        if isinstance(node, variable):
+            return out
+        for name, value in vars(node).items():
+            if name.startswith("_pytree__") or name == module_paths.TAG or isinstance(value, variable):
+                continue
+            if self._is_node(value):
+                out.append(((name,), value))
+            elif not isinstance(value, _LEAVES):  # a list, tuple, dict or other pytree that may hold nodes
+                leaves = jax.tree_util.tree_flatten_with_path(value, is_leaf=self._is_node)[0]
+                out.extend(((name, *(module_paths.key_name(k) for k in kp)), x) for kp, x in leaves
+                           if self._is_node(x) and not isinstance(x, variable))
+        return out
+
+    def _untag(self, nodes: list[object]) -> None:
+        tag = module_paths.TAG
+        for _, x in self._nnx.iter_graph(nodes):
+            if tag in getattr(x, "__dict__", ()):
+                delattr(x, tag)  # Flax's own delattr: its record of the attribute goes too, if a transform made one
 
     def _snapshot(self, nodes: list[object]) -> tuple[Hashable, list[object]]:
         """The argument nodes' graphdef (structure, static attributes) and leaves: did ``fn`` change them?"""

@@ -15,8 +15,15 @@ What a user means by a table decides what is checked:
   equals.
 
 The message names what was checked and what failed; it says "fix the scope"
-only where a scope matches no equation of the program at all, and "fix the
-names" only where a user's entry names an op the program lacks.
+only where a scope matches no equation of the program at all (with the
+scopes the program has, and the module paths of its Flax NNX and Equinox
+arguments), and "fix the names" only where a user's entry names an op the
+program lacks.
+
+Whatever ``strict`` says, :func:`check_indices` refuses a scope that
+indexes into a loop body's module (``"layers.3"`` of a stack ``nnx.scan``
+runs): its body is traced once for every iteration, so no equation belongs
+to one index, and the entry would match nothing, silently.
 """
 
 from __future__ import annotations
@@ -25,12 +32,13 @@ from collections.abc import Callable, Sequence
 
 from gradkit._src import compat
 from gradkit._src.core import walk
-from gradkit._src.core.scope import Scope, split_key
+from gradkit._src.core.module_paths import Path, dotted
+from gradkit._src.core.scope import Scope, show, split_key
 from gradkit._src.core.splice import op_name
 from gradkit._src.core.table import RuleTable
 from gradkit._src.errors import GradkitError, callable_name, near_misses
 
-__all__ = ["check"]
+__all__ = ["check", "check_indices"]
 
 
 class _Unit:
@@ -47,8 +55,12 @@ class _Unit:
         return names if self.scope is None else f"{names} within scope '{self.scope.text}'"
 
 
-def check(fn: Callable[..., object], table: RuleTable, body: compat.Jaxpr) -> None:
-    """Raises a :class:`GradkitError` naming what matched nothing (see the module docstring)."""
+def check(fn: Callable[..., object], table: RuleTable, body: compat.Jaxpr, modules: Sequence[Path] = ()) -> None:
+    """Raises a :class:`GradkitError` naming what matched nothing (see the module docstring).
+
+    ``modules``: the attribute paths of the modules among the function's
+    arguments (``module_paths.collecting``), named when a scope matched nothing.
+    """
     where: dict[str, set[tuple[str, ...]]] = {}  # op name -> the name-stack scopes it occurs at
     if table.scoped_ops:
         for eqn, scopes in walk.scoped_equations(body):
@@ -80,7 +92,7 @@ def check(fn: Callable[..., object], table: RuleTable, body: compat.Jaxpr) -> No
         if not any(sc.matches(s) for s in stacks):
             empty.setdefault(sc.text, []).append(op)
         elif not any(sc.matches(s) for s in where.get(op, ())):
-            at = sorted({"/".join(s) or "(top level)" for s in where.get(op, ())})
+            at = sorted({show(s) for s in where.get(op, ())})
             found = (f"it occurs in {_few(at)}" if at else "not in the program" + _did_you_mean(near_misses(op, where)))
             absent.append(f"  '{key}': no '{op}' inside scope '{sc.text}' ({found})")
     idle: list[str] = []  # shipped units with no rule matching (inside an existing scope)
@@ -98,12 +110,13 @@ def check(fn: Callable[..., object], table: RuleTable, body: compat.Jaxpr) -> No
     if not (unmatched or empty or absent or idle):
         return
 
-    paths = sorted({"/".join(s[:i]) for s in stacks for i in range(1, len(s) + 1)})
+    paths = sorted({show(s[:i]) for s in stacks for i in range(1, len(s) + 1)})
+    dotted_paths = [dotted(p) for p in sorted({p for p in modules if p}, key=lambda p: (len(p), p))]  # shallow first
     lines = [f"override({callable_name(fn)}, strict=True): {_checked(len(names) + len(scoped), units)}. "
              "These matched nothing:"]
     for text, what in empty.items():
-        parts = {p for s in stacks for p in s}
-        close = near_misses(text.lstrip("/"), set(paths) | parts)
+        parts = {show((p,)) for s in stacks for p in s}
+        close = near_misses(text.lstrip("/"), set(paths) | parts | set(dotted_paths))
         lines.append(f"  scope '{text}' (rules for {_few(what)}) matches no equation{_did_you_mean(close)}")
     lines += absent + idle
     for name in unmatched:
@@ -116,9 +129,17 @@ def check(fn: Callable[..., object], table: RuleTable, body: compat.Jaxpr) -> No
                      "where none does, it changes nothing there. Apply it where its ops are, or drop it there.")
     if empty or absent:
         lines.append(
-            f"Scopes in the program: {_few(paths, 20) or '(none: no jax.named_scope or module names)'}. A scope's "
-            "'/'-separated components match a contiguous run of an equation's name stack (jax.named_scope, Flax "
-            "module paths), '*' within one component" + ("; fix the scope." if empty else "."))
+            f"Scopes in the program: {_few(paths, 20) or '(none: no jax.named_scope, module names or paths)'}. A "
+            "scope's components ('/' or '.' between them) match a contiguous run of an equation's name stack "
+            "(jax.named_scope, Flax linen names, the attribute paths of Flax NNX and Equinox modules passed as "
+            "arguments), '*' within one component" + ("; fix the scope." if empty else "."))
+        if dotted_paths:
+            lines.append(f"Module paths of its arguments: {_few(dotted_paths, 30)} (a module's ops are inside its "
+                         "path while it runs).")
+        elif empty:
+            lines.append("No module among its arguments: a Flax NNX or Equinox model's attribute paths ('enc', "
+                         "'layers.3.attn') are scopes when the model is an argument of the overridden function (or "
+                         "inside one), not closed over; else wrap the part in jax.named_scope('enc').")
     lines.append("Or drop strict=True.")
     raise GradkitError("\n".join(lines))
 
@@ -141,3 +162,29 @@ def _few(items: Sequence[str], n: int = 6) -> str:
 
 def _did_you_mean(close: Sequence[str]) -> str:
     return f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+
+
+def check_indices(fn: Callable[..., object], table: RuleTable, body: compat.Jaxpr) -> None:
+    """Refuses a scoped entry that indexes into a module a loop body runs (``"layers.3"``, ``layers`` a stack
+    ``nnx.scan`` runs): it could match nothing. Cheap when no scope has a number after its first component."""
+    if not table.scoped_ops:
+        return
+    indexed = [(key, sc, k) for key, sc, _ in table.scoped_entries() if (k := sc.index) is not None]
+    if not indexed:
+        return
+    origins = walk.scope_origins(body, compat.is_loop)
+    for key, sc, k in indexed:
+        if any(sc.matches(s) for s, _ in origins):
+            continue
+        hit = next((s for s, flags in sorted(origins) if sc.ends_in(k, s, flags)), None)
+        if hit is None:
+            continue
+        stack, rest = ".".join(sc.parts[:k]), sc.parts[k + 1:]
+        inner = ".".join((*sc.parts[:k], *rest))
+        every = f"'{stack}'" + (f", or '{inner}' for that part of every layer" if rest else "")
+        raise GradkitError(
+            f"override({callable_name(fn)}): the entry '{key}' scopes index {sc.parts[k]} inside '{stack}', which a "
+            f"loop body runs (scopes {show(hit)}): nnx.scan over a stacked layer (as lax.scan or a while loop) traces "
+            "its body once for every iteration, so no op belongs to one index, and the entry would match nothing. "
+            f"Scope the whole stack ({every}), or give each layer a path of its own: an nnx.List of layers called "
+            "in a Python loop.")

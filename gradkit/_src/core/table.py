@@ -189,7 +189,7 @@ class RuleTable(Mapping[str, Rule]):
                     if (rule2.mode, rule2.key) != (rule.mode, rule.key) and sc2.matches(scopes):
                         raise GradkitError(
                             f"op '{name}' at {where() if callable(where) else where} "
-                            f"(scopes {'/'.join(scopes) or '(top level)'}) is matched by "
+                            f"(scopes {_scope.show(scopes)}) is matched by "
                             f"'{key}' ({rule.name}) and '{key2}' ({rule2.name}), equally specific scopes with "
                             "different rules. Make one more specific (more components, fewer wildcards, or "
                             "anchored with a leading '/'), or give both scopes the same rule.")
@@ -206,8 +206,17 @@ class RuleTable(Mapping[str, Rule]):
         ``eqx.nn.MLP/eqx.nn.Linear``), at any depth of the program: inside
         ``jit``, ``scan``, ``while``, ``cond``, ``checkpoint`` and ``vmap``,
         a sub-program's scopes follow those of the equation that calls it.
+        A Flax NNX or Equinox module passed to the overridden function (as
+        an argument, or inside one) adds its **attribute path** while it
+        runs: ``"enc"``, ``"layers.3.attn"`` (an ``nnx.List``/``nnx.Dict``
+        entry, a tuple field), ``"encoder.layers.0"``, matched apart from
+        the names JAX records as well as with them. A module reached under
+        two paths is inside either; a stack run by ``nnx.scan`` has one
+        body for every layer, so its path (``"layers"``) can be addressed
+        but not an index inside it (a :class:`GradkitError` says so).
 
-        Matching: ``scope`` is ``/``-separated components, each a shell
+        Matching: ``scope`` is components separated by ``/`` or ``.`` (the
+        same: ``"layers.3.attn"`` is ``"layers/3/attn"``), each a shell
         pattern for one name-stack component (``*``, ``?``, ``[...]``;
         ``**`` stands for any number of components). It matches an equation
         when its components match a contiguous run of the equation's scopes,
@@ -235,7 +244,7 @@ class RuleTable(Mapping[str, Rule]):
         ``scope``), or ``"<scope>/<s>"`` for an anchored ``"/<s>"``.
 
         Args:
-          scope: the scope pattern, e.g. ``"enc"``, ``"Model/dec"``, ``"*/Conv_*"``.
+          scope: the scope pattern, e.g. ``"enc"``, ``"Model/dec"``, ``"layers.3.attn"``, ``"*/Conv_*"``.
 
         Returns:
           A new table; this one is unchanged.
@@ -255,6 +264,8 @@ class RuleTable(Mapping[str, Rule]):
           0.0
           >>> "enc::sqrt" in t, gk.RuleTable({"*/Conv_*::sqrt": "safe"}) == {"*/Conv_*::sqrt": "safe"}
           (True, True)
+          >>> list(gk.RuleTable({"sqrt": "safe"}).within("layers.3.attn"))  # a module path, as NNX writes it
+          ['layers.3.attn::sqrt']
         """
         outer = _scope.parse(scope, where="RuleTable.within")
         out: dict[str, Rule] = {}

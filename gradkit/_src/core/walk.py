@@ -134,6 +134,35 @@ def scoped_equations(jaxpr: object, enter: Callable[[JaxprEqn], bool] = enters
     return ((eqn, scopes) for eqn, _, scopes in _visit(jaxpr, enter, scoped=True))
 
 
+def scope_origins(jaxpr: object, marked: Callable[[JaxprEqn], bool], enter: Callable[[JaxprEqn], bool] = enters
+                  ) -> set[tuple[tuple[str, ...], tuple[bool, ...]]]:
+    """Every distinct name stack of the program's equations (as :func:`scoped_equations` finds them), each
+    scope with whether a ``marked`` equation holds it below the scope before it.
+
+    With ``marked`` a loop (``compat.is_loop``), a ``layers`` scope entered
+    inside a scan body that runs under ``Model`` is ``(("Model", "layers"),
+    (False, True))``: one body traced for every iteration.
+    """
+    out: set[tuple[tuple[str, ...], tuple[bool, ...]]] = set()
+    seen: set[tuple[int, tuple[str, ...], tuple[bool, ...], bool]] = set()
+    stack: list[tuple[Jaxpr, tuple[str, ...], tuple[bool, ...], bool]] = [
+        (compat.jaxpr_parts(jaxpr)[0], (), (), False)]
+    while stack:
+        j, scopes, flags, pending = stack.pop()
+        if (id(j), scopes, flags, pending) in seen:
+            continue
+        seen.add((id(j), scopes, flags, pending))
+        for eqn in j.eqns:
+            own = compat.name_scopes(eqn)
+            s = scopes + own
+            f = flags + tuple(pending and i == 0 for i in range(len(own)))
+            out.add((s, f))
+            if enter(eqn):
+                inner = (pending and not own) or marked(eqn)
+                stack.extend((compat.jaxpr_parts(sub)[0], s, f, inner) for sub in subprograms(eqn.params))
+    return out
+
+
 def _visit(jaxpr: object, enter: Callable[[JaxprEqn], bool], scoped: bool
            ) -> Iterator[tuple[JaxprEqn, Jaxpr, tuple[str, ...]]]:
     """``(eqn, the jaxpr holding it, its scopes)``; the scopes are read only when ``scoped`` (else ``()``)."""

@@ -60,6 +60,10 @@ class _Scale:
     # lax.mul's out_dtype (JAX 0.10+): operands of mixed dtypes, both converted to the result's dtype first,
     # and the transpose in the tangent's own dtype, as JAX's mul and its transpose
     out_dtype: bool = False
+    # The factor is a 0/1 indicator, a boolean converted (reduce_max's location_indicators): this boolean.
+    # The product is then select(b, t, 0), which is what XLA makes of JAX's own t * convert(b) (+0 where b
+    # is false, whatever t's sign; 0 for an infinite t: masked, as SAFE wants).
+    indicator: compat.Atom | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +120,9 @@ def _trace_program(prim: compat.Primitive, params: tuple[tuple[str, object], ...
     eqns = list(jaxpr.eqns)
     primal_vars = list(jaxpr.invars[:len(structs)])
     linear = set(jaxpr.invars[len(structs):])
+    indicators = {e.outvars[0]: e.invars[0] for e in eqns  # a boolean converted to a number: a 0/1 indicator
+                  if e.primitive.name == "convert_element_type" and not compat.is_literal(e.invars[0])
+                  and walk.shaped(e.invars[0].aval).dtype == np.dtype(bool)}
     kinds: list[str] = []
     scales: list[_Scale | None] = []
     for eqn in eqns:
@@ -135,8 +142,10 @@ def _trace_program(prim: compat.Primitive, params: tuple[tuple[str, object], ...
                 if not _finite_literal(factor):  # a product with a finite constant needs no mask
                     # Each product masked on its own, in JAX's order of operations: the values are
                     # JAX's wherever nothing is 0 * inf, in forward and in reverse mode.
+                    indicator = (indicators.get(factor) if name == "mul" and isinstance(factor, compat.Var)
+                                 else None)
                     kind, scale = _SCALE, _Scale(src, factor, name == "div",
-                                                 eqn.params.get("out_dtype") is not None)
+                                                 eqn.params.get("out_dtype") is not None, indicator)
         kinds.append(kind)
         scales.append(scale)
     return _Program(jaxpr, tuple(consts), tuple(kinds), tuple(scales))
@@ -176,6 +185,10 @@ def _apply_scale(step: _Scale, env: dict[compat.Var, object], aval: compat.Shape
     d = jnp.broadcast_to(d if step.out_dtype and _is_array(d) else as_dtype(d, dtype), shape)
     u = compat.read_atom(env, step.source)
     u = jnp.broadcast_to(u, shape) if np.shape(u) != shape else u  # a rank-0 or size-1 operand: broadcast
+    if step.indicator is not None and u.dtype == dtype:
+        b, u = compat.match_varying([jnp.broadcast_to(compat.read_atom(env, step.indicator), shape), u])
+        picked: jax.Array = lax.select(b, u, lax.full_like(u, 0))  # linear in u: transposes to a select
+        return picked
     scaled: jax.Array = compat.safe_scale(u, d, divide=step.divide, out_dtype=dtype if step.out_dtype else None)
     return scaled
 
@@ -410,13 +423,18 @@ def _dead_term(prim: compat.Primitive, params: dict[str, Any], primal: jax.Array
     keep_p = [d for d in range(np.ndim(primal)) if d not in pc]
     m = jnp.squeeze(dead, axis=pc) if pc else dead
     m = lax.transpose(m, tuple([keep_p.index(d) for d in pb] + [keep_p.index(d) for d in p_free]))
-    m_out = lax.broadcast_in_dim(m, shape, tuple(range(nb)) + tuple(range(p_at, p_at + len(p_free))))
+    # Both masks in the output's sharding (Explicit mesh axes: the product's out_sharding; the primal factor
+    # may be replicated where the output is sharded), as the product they select in.
+    sharding = getattr(out_aval, "sharding", None)
+    m_out = lax.broadcast_in_dim(m, shape, tuple(range(nb)) + tuple(range(p_at, p_at + len(p_free))),
+                                 out_sharding=sharding)
     nan = jnp.full(np.shape(t), jnp.nan, t.dtype)
     hit = compat.safe_scale(t, nan)  # NaN where t is not 0, else 0: linear in t
     e = jnp.sum(hit, axis=tc) if tc else hit
     keep_t = [d for d in range(np.ndim(t)) if d not in tc]
     e = lax.transpose(e, tuple([keep_t.index(d) for d in tb] + [keep_t.index(d) for d in t_free]))
-    e_out = lax.broadcast_in_dim(as_dtype(e, dtype), shape, tuple(range(nb)) + tuple(range(t_at, t_at + len(t_free))))
+    e_out = lax.broadcast_in_dim(as_dtype(e, dtype), shape, tuple(range(nb)) + tuple(range(t_at, t_at + len(t_free))),
+                                 out_sharding=sharding)
     bad = compat.safe_scale(e_out, as_dtype(m_out, dtype))  # the NaN only on dead rows (0 · NaN is 0 here)
     rest = as_dtype(rest, dtype)
     return jnp.where(m_out, rest + bad, rest)
