@@ -166,7 +166,7 @@ def test_a_fix_not_re_run_claims_nothing():
     assert r.findings[0].fix.verdict().startswith("verified: gradient finite")
 
 
-# --------------------------------------------------------------------------- a library function's values: never a bare x
+# --------------------------------------------------------------------------- a library's own values: never a bare x
 
 
 def _bad_sqrt_rule():
