@@ -29,7 +29,6 @@ from __future__ import annotations
 import functools
 import math
 from fractions import Fraction
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -480,14 +479,12 @@ def two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
     return s, (a - (s - bb)) + (b - bb)
 
 
-# XLA:CPU fuses a*b + c into a fused multiply-add wherever LLVM finds one, also when a*b has
-# other uses, and computes a value again in each fusion that needs it. An error-free
-# transformation written with a rounded product (Dekker's a*b - p, Veltkamp's c - (c - a) with
-# c = a*s) then silently loses its low part. Here products are only ever exact (of halves
-# split by masking bits), so a fused multiply-add changes nothing.
-_SPLIT_MASK: dict[np.dtype[Any], tuple[Any, Any]] = {
-    np.dtype(np.float32): (np.int32, np.int32(-(1 << 12))),  # keep 12 of 24 bits
-    np.dtype(np.float64): (np.int64, np.int64(-(1 << 27)))}  # keep 26 of 53 bits
+# XLA:CPU fuses a*b + c into a fused multiply-add wherever LLVM finds one, also when a*b has other uses,
+# and computes a value again in each fusion that needs it. An error-free transformation written with a
+# rounded product (Dekker's a*b - p, Veltkamp's c - (c - a) with c = a*s) then silently loses its low
+# part. Here products are only ever exact (of halves split by masking bits), so an FMA changes nothing.
+_SPLIT_MASK: dict = {np.dtype(np.float32): (np.int32, np.int32(-(1 << 12))),  # keep 12 of 24 bits
+                     np.dtype(np.float64): (np.int64, np.int64(-(1 << 27)))}  # keep 26 of 53 bits
 
 
 def _split(a: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -586,8 +583,8 @@ def div_first_order(num: jax.Array, num_lo: jax.Array | float, den: jax.Array,
     return num / den + corr
 
 
-_RECIP_MAGIC: dict[np.dtype[Any], tuple[Any, int]] = {
-    np.dtype(np.float32): (np.int32, 0x7EF311C3), np.dtype(np.float64): (np.int64, 0x7FDE6238DA3C2118)}
+_RECIP_MAGIC: dict = {np.dtype(np.float32): (np.int32, 0x7EF311C3),
+                     np.dtype(np.float64): (np.int64, 0x7FDE6238DA3C2118)}
 
 
 def recip_approx(s: jax.Array, steps: int = 1) -> jax.Array:
