@@ -104,6 +104,7 @@ class CNN(nn.Module):
         return nn.Dense(10)(x)
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow set (CI runs it)
 @pytest.mark.parametrize("method", sorted(SWAPPED))
 def test_unmodified_flax_cnn_equals_the_model_with_its_relu_swapped(method):
     x = jax.random.normal(jax.random.key(1), (4, 12, 12, 3))

@@ -85,6 +85,7 @@ def _dropout_model():
     return Net()
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow set (CI runs it)
 def test_flax_linen_dropout_nan_is_located_by_audit_and_guard():
     optax = pytest.importorskip("optax")
     model = _dropout_model()

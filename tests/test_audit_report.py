@@ -42,6 +42,7 @@ def _flax_model(layers):
     return loss, params, x
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow set (CI runs it)
 def test_a_flax_model_of_102_leaves_leads_with_the_birth_and_a_verified_fix():
     loss, params, x = _flax_model(51)
     r = gk.audit(loss, params, x)

@@ -10,6 +10,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import gradkit as gk
 
@@ -30,6 +31,7 @@ def inputs():
     return q, k, mask, np.array([0, 1, 2, 3], np.int32), np.array([True, True, False, True])
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow set (CI runs it)
 def test_audit_of_a_masked_gather_warns_nothing():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -38,6 +40,7 @@ def test_audit_of_a_masked_gather_warns_nothing():
     assert [f"{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})" for w in caught] == []
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow set (CI runs it)
 def test_the_audit_command_writes_no_runtime_warning(tmp_path):
     src = tmp_path / "model.py"
     src.write_text("import jax, jax.numpy as jnp, numpy as np\n\n"

@@ -163,6 +163,7 @@ SVD_FNS = {name: (jax.jit(fn(gk.override(f, B))), jax.jit(fn(f))) for name, fn, 
     ("grad_s", jax.grad, _sv_loss), ("jacfwd_s", jax.jacfwd, _sv_loss)]}
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow set (CI runs it)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("shape", [(4, 4), (5, 3), (3, 5)])
 def test_svd_equals_jax_on_separated_spectra(dtype, shape):
@@ -286,6 +287,7 @@ def test_eigh_projector_onto_a_degenerate_subspace(name, dtype, maybe_jit):
         _close(want, _fd(lambda x: projector_loss(x, m64), a64), 1e-7)  # the analytic answer is the true one
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow set (CI runs it)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_eigh_functions_of_the_spectrum_at_the_identity(dtype):
     """sum f(w): d/dA = V f'(w) V^T, the identity's f'(1) I; JAX has it too (its V cotangent is 0)."""

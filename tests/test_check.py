@@ -330,6 +330,7 @@ def _check_verdict_matches(name, x, order):
 NAMES = hst.sampled_from(sorted(FUNCTIONS))
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow set (CI runs it)
 @settings(max_examples=20, deadline=None, derandomize=True)
 @given(name=NAMES, x=POINTS)
 @example(name="softplus, the reported override", x=np.array([1.0, 200.0], F32))  # issue 25
@@ -341,6 +342,7 @@ def test_verdict_is_the_float32_gradient_against_float64_differences(name, x):
     _check_verdict_matches(name, x, order=1)
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow set (CI runs it)
 @settings(max_examples=6, deadline=None, derandomize=True)
 @given(name=hst.sampled_from(["softplus naive", "logsumexp stable", "log(sum(exp)) naive", "sqrt(sum(x^2)) SAFE"]),
        x=POINTS)

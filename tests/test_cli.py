@@ -46,6 +46,7 @@ def finite_file(tmp_path_factory):
     return str(path)
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow set (CI runs it)
 def test_main_job_audits_the_examples_and_exits_1():
     start = time.time()
     p = run("audit", "examples/unstable_losses.py")
@@ -280,6 +281,7 @@ def test_parse_spec():
             parse_spec(bad, rng)
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow set (CI runs it)
 def test_in_process_verbose_lists_every_leaf(capsys, monkeypatch, tmp_path):
     path = tmp_path / "many.py"
     path.write_text(textwrap.dedent("""\

@@ -89,6 +89,7 @@ def model_file(tmp_path_factory):
 # --------------------------------------------------------------------------- the guide's Flax block
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow set (CI runs it)
 def test_guide_flax_command_runs_as_written():
     """docs/guide-diagnose.md's CLI block audits a Flax linen model from the terminal; the report names the NaN's
     birth."""
@@ -120,6 +121,7 @@ def test_guide_flax_command_runs_as_written():
 # --------------------------------------------------------------------------- --args-from
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow set (CI runs it)
 def test_args_from_passes_a_pytree_and_a_key_from_seed(model_file):
     p = gradkit("audit", f"{model_file}:loss", "--args-from", f"{model_file}:make_inputs", "--json", "-q")
     assert p.returncode == 0, p.stderr

@@ -96,6 +96,7 @@ def in_threads(work):
         raise errors[0][1]
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow set (CI runs it)
 def test_threads_building_tables_and_overriding_different_functions():
     cases = {case(t, it) for t in range(THREADS) for it in range(ITERATIONS)}
     serial = {c: run(PROGRAMS[c[0]], table_for(c[1]), c[2], c[3]) for c in sorted(cases)}
@@ -145,6 +146,7 @@ def test_one_shared_override_called_from_eight_threads_with_different_shapes():
     assert set(calls) == set(shapes)
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow set (CI runs it)
 def test_one_shared_named_op_from_eight_threads_under_different_tables():
     serial = {}
     for t in range(THREADS):

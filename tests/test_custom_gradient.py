@@ -315,6 +315,7 @@ def take_max(x):
     return jnp.sin(x[i]), grad
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow set (CI runs it)
 def test_closure_over_forward_values_under_transforms(maybe_jit):
     xs = jnp.array([[0.1, 0.9, 0.3], [1.2, 0.4, 0.2], [0.3, 0.2, 0.8]])
     ref_rows = np.zeros_like(np.asarray(xs))
@@ -341,6 +342,7 @@ def test_closure_over_forward_values_under_transforms(maybe_jit):
     np.testing.assert_allclose(g_remat_body, ref_rows, rtol=1e-6)
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow set (CI runs it)
 def test_closure_over_values_of_an_enclosing_trace(maybe_jit):
     # JAX's own custom_vjp/custom_jvp inside jit fail here ("No constant handler for type ...Tracer").
     def make(t, mode):

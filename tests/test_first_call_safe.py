@@ -111,6 +111,7 @@ def _hmc_args():
     return q, p, x, y
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow set (CI runs it)
 def test_products_by_a_grad_seed_keep_jax_equation():
     q, p, x, y = _hmc_args()
     ours = gk.override(_energy, SAFE | gk.tables.STABLE)

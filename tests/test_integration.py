@@ -7,6 +7,7 @@ equal the same model written with a hand-made ``jax.custom_vjp`` activation.
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import equinox as eqx
 import flax.linen as nn
 import optax
@@ -57,6 +58,7 @@ def _assert_tree_close(a, b, rtol=1e-5, atol=1e-6):
 # --------------------------------------------------------------------------- Equinox
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow set (CI runs it)
 def test_equinox_model_trains_with_override():
     class MLP(eqx.Module):
         layers: list

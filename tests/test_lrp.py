@@ -392,6 +392,7 @@ def _eqx_cnn(avg_pool="eqx"):
 
 # eqx.nn.AvgPool2d traces as reduce_window_sum -> squeeze -> transpose -> div 4: the pooling layer is all of it
 # (it was once the sum alone, and every relevance below it came out 1/4 of Zennit's).
+@pytest.mark.slow  # over 4 s on 2 cores: the slow set (CI runs it)
 @pytest.mark.parametrize("avg_pool", ["eqx", "lax"])
 @pytest.mark.parametrize("name", sorted(COMPOSITES))
 def test_each_composite_on_an_unmodified_equinox_cnn(name, avg_pool):

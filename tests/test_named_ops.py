@@ -159,6 +159,7 @@ def test_signature_rebuilds_arguments_and_outputs():
     assert sig.dynamic(["W", "X", "ab"]) == ["W", "X"]
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow set (CI runs it)
 def test_registry_is_weak_and_bounded():
     gc.collect()
     before = len(named._REGISTRY)

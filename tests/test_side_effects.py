@@ -142,6 +142,7 @@ def test_jax_state_and_plain_gradients_unchanged_in_process():
     assert plain_gradient_bits() == bits
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow set (CI runs it)
 def test_plain_gradients_unchanged_by_import_and_use_in_a_fresh_process():
     # Before gradkit is ever imported vs after import and heavy use, in one
     # fresh interpreter: catches import-time side effects too.
@@ -232,6 +233,7 @@ def _leak_probe(x, *, k=1.0):
     return jnp.sin(x) * k
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow set (CI runs it)
 @pytest.mark.parametrize("mode", ["vjp", "jvp"])
 def test_no_leaked_tracers_under_jax_checking_leaks(mode):
     # The rewritten program's custom_vjp/custom_jvp closures outlive the trace

@@ -462,6 +462,7 @@ def _derivatives_match_finite_differences(f, xs, h=1e-6, rtol=1e-6):
         np.testing.assert_allclose(np.asarray(got), want, rtol=rtol, atol=rtol)
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow set (CI runs it)
 def test_first_and_second_derivatives_both_modes(x64):
     for fn, x in SMOOTH_POINTS.items():
         _derivatives_match_finite_differences(fn, [x, x + 0.1])
@@ -472,6 +473,7 @@ def test_first_and_second_derivatives_both_modes(x64):
         _derivatives_match_finite_differences(lambda b: f(x, b), [y])
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow set (CI runs it)
 def test_check_grads_order_2(x64):
     """JAX's own checker on a few representatives (it retraces per call, so it is slow)."""
     for fn, x in [(st.sinc, 0.4), (st.silu, -1.2)]:

@@ -474,6 +474,7 @@ def test_safe_accepts_python_float_cotangents():
     assert float(g) == 0.5
 
 
+@pytest.mark.slow  # over 4 s on 2 cores: the slow set (CI runs it)
 def test_safe_serves_forward_mode_through_x_squared():
     """``x ** 2`` is integer_pow, a SAFE primitive: forward mode used to stop there."""
     def model(w, x):
