@@ -185,7 +185,7 @@ class Guard:
       argnums, has_aux, on_nonfinite, max_reports: as given to :func:`guard`.
       step_errors: what a compiled step called without :meth:`wrap` raises in
         ``"raise"`` mode: JAX's own types (``jax.errors.JaxRuntimeError``,
-        ``ValueError``; see :data:`gradkit._src.compat.CALLBACK_ERRORS`),
+        ``ValueError``; see ``compat.CALLBACK_ERRORS``),
         plus :class:`NonFiniteGradientError`.
     """
 

@@ -105,13 +105,13 @@ class GuardReport:
 
     @property
     def where(self) -> str:
-        """Which step, and which batch element: ``"step 301, batch element (3,)"``, ``"a compiled step"``."""
+        """The step and the batch element, as text (``"step 301, batch element (3,)"``, ``"a compiled step"``)."""
         step = f"step {self.call}" if self.call is not None else "a compiled step"
         return step + (f", batch element {self.batch_index}" if self.batch_index else "")
 
     @property
     def headline(self) -> str:
-        """The report in one line: where the NaN/inf was born (op, source line, what it did), the step, the loss.
+        """The report in one line, which says where the NaN/inf was born (op, line, what it did), step and loss.
 
         ``NaN/inf born at `log`, train.py:42: `log` of 0 gave -inf for 24 of 64
         elements (step 301, loss = 0.6931)``; when the audit found no birth
