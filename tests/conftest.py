@@ -6,10 +6,19 @@
   default on a GPU is TF32 (10-bit mantissa), which the float32 tolerances here
   are not written for. A no-op on the CPU; gk.check_grads's own handling of
   the default is tested in test_check.py;
-* warnings are errors (pyproject's filterwarnings).
+* warnings are errors (pyproject's filterwarnings);
+* JAX's persistent compilation cache within one run: many tests compile the
+  same small programs (a table's rule at a shape, a reference gradient), and
+  XLA's compile is about half of the run's time. Each process (each xdist
+  worker) has its own folder under one temporary folder for the run, removed
+  at its end; nothing is kept between runs, so every run compiles from cold.
+  ``GRADKIT_TEST_JAX_CACHE=off`` turns it off. A cached executable is the one
+  XLA compiled for the same program, so no result depends on it.
 """
 
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -20,6 +29,23 @@ import pytest  # noqa: E402
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# The run's cache folder: made by the first process that loads this file (pytest itself, or the xdist
+# controller, whose environment its workers inherit), one subfolder per process: no two write one entry.
+_CACHE_ENV = "GRADKIT_TEST_JAX_CACHE"
+_OWN_CACHE = _CACHE_ENV not in os.environ
+if _OWN_CACHE:
+    os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="gradkit-tests-jax-cache-")
+if os.environ[_CACHE_ENV] != "off":
+    jax.config.update("jax_compilation_cache_dir",
+                      os.path.join(os.environ[_CACHE_ENV], os.environ.get("PYTEST_XDIST_WORKER", "main")))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE and not hasattr(config, "workerinput"):
+        shutil.rmtree(os.environ.pop(_CACHE_ENV), ignore_errors=True)
 
 
 @pytest.fixture(params=[False, True], ids=["eager", "jit"])
