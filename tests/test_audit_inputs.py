@@ -7,6 +7,9 @@
 * A non-finite input that is not differentiated (a bad batch ``x`` while
   differentiating ``w``) is named, with its elements, as the origin of the
   non-finite gradient, and never blamed on XLA.
+* NaN/inf inputs the program masks on purpose (the value is finite: ``nanmean``,
+  a ``-inf`` attention mask a ``where`` removes) are not the cause: the audit
+  finds where they break the gradient and searches routes as for any finding.
 * Complex inputs are differentiated: a real loss of complex inputs is audited
   (its gradient is ``jax.grad``'s); a complex output's real part is.
 """
@@ -223,3 +226,71 @@ def test_a_complex_output_audits_the_gradient_of_its_real_part():
 def test_integer_only_inputs_are_still_an_error():
     with pytest.raises(gk.GradkitError, match="no floating-point input to differentiate, real or complex"):
         gk.audit(lambda n: n * 2, 3)
+
+
+# --------------------------------------------------------------------------- NaN/inf inputs masked on purpose
+
+
+def _fd64(fn, args, pos, h=1e-6):
+    """Float64 central differences of ``fn`` along every element of ``args[pos]`` (a NaN/inf element: 0, as
+    ``-inf + h`` is ``-inf``)."""
+    with jax.enable_x64(True):
+        a64 = [np.asarray(a, np.float64) if np.asarray(a).dtype.kind == "f" else np.asarray(a) for a in args]
+        f = jax.jit(fn)
+        out = np.zeros(a64[pos].size)
+        for i in range(out.size):
+            plus, minus = [list(a64), list(a64)]
+            for lst, s in ((plus, h), (minus, -h)):
+                v = a64[pos].copy().reshape(-1)
+                v[i] += s
+                lst[pos] = v.reshape(a64[pos].shape)
+            fp, fm = float(f(*plus)), float(f(*minus))
+            out[i] = 0.0 if fp == fm else (fp - fm) / (2 * h)
+    return out.reshape(np.shape(args[pos]))
+
+
+def masked_attention(s, v):
+    p = jax.nn.softmax(s, axis=-1)  # s holds -inf where masked, a whole row in a padded query
+    kept = jnp.any(jnp.isfinite(s), axis=-1, keepdims=True)
+    return jnp.sum(jnp.where(kept, p, 0.0) * v)
+
+
+def nan_skipping_mean(w, x):
+    return jnp.nanmean(x * w)  # x's NaNs are missing data
+
+
+def _masked_cases():
+    r = np.random.RandomState(3)
+    s = r.normal(size=(3, 4)).astype(np.float32)
+    s[1] = -np.inf
+    s[0, 2] = -np.inf
+    v = r.normal(size=(3, 4)).astype(np.float32)
+    x = np.array([1.0, np.nan, 2.0, -0.5], np.float32)
+    w = r.uniform(0.5, 2.0, 4).astype(np.float32)
+    return [(masked_attention, (s, v), 0), (nan_skipping_mean, (w, x), 0)]
+
+
+@pytest.mark.parametrize("fn,args,argnum", _masked_cases(), ids=["masked_attention", "nanmean"])
+def test_inputs_non_finite_on_purpose_are_not_the_cause_and_routes_are_searched(fn, args, argnum):
+    assert np.isfinite(fn(*args))  # the value is finite: the NaN/inf is masked on purpose
+    g = jax.grad(fn, argnum)(*args)
+    assert not np.all(np.isfinite(g)), "the case must break plain jax.grad"
+    r = gk.audit(fn, *args, argnums=argnum)
+    text = str(r)
+    assert r.findings, text
+    assert "already non-finite" not in text and "Check where these inputs come from" not in text, text
+    assert r.note.startswith("the inputs hold NaN/inf but the value is finite") and "on purpose" in r.note
+    fix = r.findings[0].fix
+    assert fix.verified and fix.kind == "table", text
+    # the route, applied independently as the report says, against float64 central differences
+    fixed = jax.grad(gk.override(fn, eval(fix.expression, {"gk": gk})), argnum)(*args)
+    assert np.all(np.isfinite(fixed))
+    np.testing.assert_allclose(fixed, _fd64(fn, args, argnum), rtol=2e-3, atol=1e-5)
+
+
+def test_a_nan_input_that_reaches_the_value_is_still_a_bad_batch():
+    x = jnp.array([1.0, jnp.nan, 2.0])
+    r = gk.audit(lambda w, x: jnp.mean(x * w), jnp.ones(3), x, argnums=0)  # mean, not nanmean
+    assert not r.findings and r.value.startswith("NON-FINITE")
+    assert r.note.startswith("the inputs are already non-finite: x[1] = nan")
+    assert "Check where these inputs come from" in r.note

@@ -170,8 +170,13 @@ def investigate(prog: Program, fn: Callable[..., object], table: Table | None,
     inputs = _BadInputs(prog)
     replay = Replay(const_label=lambda c: inputs.label_const(replay.prov, c))
     dyn_labels = [inputs.label(replay.prov, i) for i in prog.split.dyn_pos]
+    intended = False
     try:
         frame = replay.forward(core, consts, prog.dyn, [True] * len(prog.dyn), dyn_labels)
+        # NaN/inf inputs and a finite value: the program masks them on purpose (nanmean, a -inf attention
+        # mask a where removes), so where they make the gradient non-finite is a finding like any other
+        intended = inputs.bad and not any(count_nonfinite(o) for o in frame.outputs())
+        replay.cotangent_births = intended
         cts = replay.backward(frame, [(jnp.ones_like(o), None) for o in frame.outputs()])
     except Exception as e:  # an equation the replay cannot evaluate: say so, and how else to look
         return (), (f"the step-by-step replay stopped at an equation it cannot evaluate ({type(e).__name__}: "
@@ -180,9 +185,16 @@ def investigate(prog: Program, fn: Callable[..., object], table: Table | None,
     relevant = prov.atoms_of([c[1] for c in cts if c is not None])
     from_inputs = {a for a in relevant if _is_input(prov.atoms[a][0])}
     born = relevant - from_inputs
-    # atoms are elements of births; an atom is a root when nothing relevant caused it
-    roots = sorted({_birth_key(prov, a) for a in born if not (prov.sets[prov.causes[a]] & relevant)})
-    note = inputs.note(prov, from_inputs, _children(replay, born, from_inputs), bool(roots)) if from_inputs else ""
+    # atoms are elements of births; an atom is a root when nothing relevant caused it (an intended
+    # non-finite input is not a cause: the first birth it leads to is where the gradient breaks)
+    causing = born if intended else relevant
+    roots = sorted({_birth_key(prov, a) for a in born if not (prov.sets[prov.causes[a]] & causing)})
+    if intended and roots:
+        note = inputs.intended_note()
+    elif from_inputs:
+        note = inputs.note(prov, from_inputs, _children(replay, born, from_inputs), bool(roots))
+    else:
+        note = ""
     if not roots:
         if note:
             return (), note
@@ -202,7 +214,7 @@ def investigate(prog: Program, fn: Callable[..., object], table: Table | None,
 
     findings = []
     for key in roots[:_FINDINGS]:
-        root_atoms = {a for a in by_birth[key] if not (prov.sets[prov.causes[a]] & relevant)}
+        root_atoms = {a for a in by_birth[key] if not (prov.sets[prov.causes[a]] & causing)}
         chain = [selection(key, root_atoms)]
         for other in sorted(by_birth):
             caused = {a for a in by_birth[other] if prov.sets[prov.causes[a]] & root_atoms}
@@ -329,6 +341,11 @@ class _BadInputs:
         """Every non-finite input: ``x (2 of 8 elements: x[3] = nan, x[5] = inf)``."""
         return "; ".join(f"{self.names[i]} ({int(m.sum())} of {m.size} elements: "
                          f"{self._elements(i, list(np.flatnonzero(m)))})" for i, m in self.masks.items())
+
+    def intended_note(self) -> str:
+        """What the report says of non-finite inputs whose NaN/inf the program keeps out of its value."""
+        return (f"the inputs hold NaN/inf but the value is finite: {self.listing()}. The program masks them on "
+                "purpose, so they are not the cause; the findings are where they make the gradient non-finite.")
 
     def note(self, prov: Provenance, atoms: set[int], children: Sequence[Birth], born: bool) -> str:
         """What the report says of the non-finite input elements (``atoms``) that reach the gradient."""

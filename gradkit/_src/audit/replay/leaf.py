@@ -9,7 +9,9 @@ born here. For an element-wise op this is decided element by element, from
 the elements it reads: a NaN is born where none of them is NaN, an inf where
 all of them are finite. The backward of an element-wise op reads the incoming
 cotangent and the forward operands and results at the same element. For other
-ops the test is on whole arrays. Labels (:mod:`gradkit._src.audit.provenance`)
+ops the test is on whole arrays. When the replay's ``cotangent_births`` is set
+(the audited inputs hold NaN/inf on purpose), a backward element is born
+wherever the cotangents it reads are finite, whatever the forward values. Labels (:mod:`gradkit._src.audit.provenance`)
 record which births every non-finite element came from.
 """
 
@@ -199,7 +201,7 @@ class Leaf:
             if elementwise and shape == np.shape(outvals[0]):
                 # what element e of the cotangent is computed from
                 linear = eqn.primitive.name in READS_COTANGENT_ONLY
-                reads = cts if linear else cts + invals + outvals
+                reads = cts if linear or rp.cotangent_births else cts + invals + outvals
                 label = prov.combine(ct_labels if linear else ct_labels + in_labels + out_labels, shape, bad)
                 born = {"nan": _nf(g, "nan") & ~_masks(reads, shape, "nan"),
                         "inf": _nf(g, "inf") & ~_masks(reads, shape, "any")}
@@ -212,7 +214,7 @@ class Leaf:
                 born = {"nan": _nf(g, "nan") & (not _any(cts, "nan")),
                         "inf": _nf(g, "inf") & (not _any(cts, "any"))}
             else:
-                reads = cts + invals + outvals
+                reads = cts if rp.cotangent_births else cts + invals + outvals
                 sid = prov.union_all(ct_labels + in_labels + out_labels)
                 label = np.where(bad, sid, 0).astype(np.int32)
                 born = {"nan": _nf(g, "nan") & (not _any(reads, "nan")),

@@ -43,6 +43,10 @@ class Replay:
       const_label: the labels of a constant of the program (``None``: finite, or not tracked);
         the audit labels the non-finite elements of held (not differentiated) inputs this way,
         which the traced program holds as constants.
+      cotangent_births: a backward non-finite element is also born where the cotangents it reads are finite,
+        whatever the forward values it reads (``0 × nan``): set by the audit, between the forward and the
+        backward pass, when the inputs hold NaN/inf on purpose (the value is finite), so that the
+        equation where they enter the gradient is a birth of its own.
     """
 
     def __init__(self, max_births: int = 200, max_while: int = 1000,
@@ -54,6 +58,7 @@ class Replay:
         self.max_while = max_while
         # The labels of a program constant (at any depth) that is a non-finite input: see audit.investigate.
         self.const_label = const_label
+        self.cotangent_births = False
         self._handlers: dict[int, tuple[compat.JaxprEqn, Handler]] = {}
 
     def handler(self, eqn: compat.JaxprEqn) -> Handler:

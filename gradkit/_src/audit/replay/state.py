@@ -158,6 +158,7 @@ class Runner(Protocol):
 
     prov: Provenance
     max_while: int
+    cotangent_births: bool
 
     def forward(self, jaxpr: compat.Jaxpr, consts: Sequence[ArrayLike], args: Sequence[ArrayLike],
                 active: Sequence[bool], labels: Sequence[Label | None] | None = None,
