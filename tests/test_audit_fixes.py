@@ -383,7 +383,8 @@ def test_first_suggestion_applied_as_reported_fixes_the_gradient(case):
         assert fix.replaces in inspect.getsource(case.fn)
     finite, matches, compared = _independent(case, _grads(fixed, case))
     assert finite and matches and compared > 0, (finite, matches, compared, text)
-    assert "re-run    verified: gradient finite, matches float64 finite differences on" in text
+    # at a kink (a distance of two equal points) the report says first that the gradient is a subgradient
+    assert "re-run    verified: " in text and "gradient finite, matches float64 finite differences on" in text
     assert "forward value unchanged" in fix.verdict() or "no farther from the float64 value" in fix.verdict()
 
 

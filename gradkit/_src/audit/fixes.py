@@ -290,9 +290,14 @@ def _apply(cand: Candidate, prog: Program, fn: Callable[..., object], table: Tab
         return dataclasses.replace(fx, applied=True, finite=False, note=f"{bad} element(s)", value_same=same,
                                    value_note=value_note), bad
     fd = original.reference.compare(grads)
-    return dataclasses.replace(fx, applied=True, finite=True, matches_fd=fd.matches, max_rel_err=fd.max_rel_err,
-                               compared=fd.compared, directions=fd.directions, excluded=fd.excluded, note=fd.note,
-                               value_same=same, value_note=value_note), 0
+    fx = dataclasses.replace(fx, applied=True, finite=True, matches_fd=fd.matches, max_rel_err=fd.max_rel_err,
+                             compared=fd.compared, directions=fd.directions, excluded=fd.excluded, note=fd.note,
+                             value_same=same, value_note=value_note)
+    if fd.kink is not None:  # decided by the float64 gradients at nearby points (a kink, the domain's edge)
+        k = fd.kink
+        fx = dataclasses.replace(fx, kink=k.kind, kink_ok=k.ok, kink_elements=k.elements, kink_points=k.points,
+                                 kink_err=k.error)
+    return fx, 0
 
 
 def choose_fix(cands: list[Candidate], prog: Program, fn: Callable[..., object], table: Table | None,

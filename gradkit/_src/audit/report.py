@@ -127,6 +127,12 @@ class Fix:
       with_table: a code fix that needs a rule table too (two NaNs born apart): apply
         ``gk.override(fn, <with_table>)`` to the rewritten function.
       rewritten: a code fix's source line (at ``location``) as it reads with the fix applied.
+      kink: where finite differences were undefined at elements of the finding and the float64 gradients at
+        nearby points decided instead (:mod:`gradkit._src.audit.kink`): ``"subgradient"`` (they differ, the
+        function has a kink there: the gradient must lie in their convex hull) or ``"gradient"`` (they
+        agree: it must equal them); ``kink_ok`` whether it did, on ``kink_elements`` elements from
+        ``kink_points`` nearby gradients, ``kink_err`` the distance to the hull over the largest of them
+        (a subgradient) or the relative error (a gradient).
     """
 
     kind: str
@@ -148,6 +154,11 @@ class Fix:
     value_note: str = ""
     with_table: str = ""
     rewritten: str = ""
+    kink: str = ""
+    kink_ok: bool | None = None
+    kink_elements: int = 0
+    kink_points: int = 0
+    kink_err: float | None = None
 
     @property
     def verified(self) -> bool:
@@ -181,12 +192,34 @@ class Fix:
         if self.matches_fd is None:
             return (f"gradient finite; not compared with finite differences "
                     f"({self.note or 'no comparable element'}){value}")
+        if self.kink and self.kink_ok is False:
+            return self._kink_text() + excl + value
         if self.matches_fd:
             head = "verified: " if self.verified else ""
-            return (f"{head}gradient finite, matches float64 finite differences on {self._compared()} "
-                    f"(max rel err {fmt(self.max_rel_err)}){excl}{value}")
+            fd = (f"gradient finite, matches float64 finite differences on {self._compared()} "
+                  f"(max rel err {fmt(self.max_rel_err)})" if self.compared or self.directions else "gradient finite")
+            if self.kink == "subgradient":
+                return f"{head}{self._kink_text()}; {fd}{excl}{value}"
+            kink = f"; {self._kink_text()}" if self.kink else ""
+            return f"{head}{fd}{kink}{excl}{value}"
         return (f"gradient finite but differs from float64 finite differences (max rel err "
                 f"{fmt(self.max_rel_err)} on {self._compared()}){excl}{value}")
+
+    def _kink_text(self) -> str:
+        """What the float64 gradients at nearby points said where finite differences are undefined."""
+        at = f"{self.kink_elements} element(s)"
+        near = f"the float64 gradients at {self.kink_points} nearby points"
+        if self.kink == "subgradient" and self.kink_ok:
+            return (f"the function has a kink here; this is a subgradient (at {at}, in the convex hull of {near}: "
+                    f"distance {fmt(self.kink_err)} of their scale)")
+        if self.kink == "subgradient":
+            return (f"gradient finite but not a subgradient: at {at} where the function has a kink it lies "
+                    f"outside the convex hull of {near} (distance {fmt(self.kink_err)} of their scale)")
+        if self.kink_ok:
+            return (f"at {at} where finite differences are undefined, equal to {near} inside the function's "
+                    f"domain (rel err {fmt(self.kink_err)})")
+        return (f"gradient finite but differs from {near} inside the function's domain at {at} where finite "
+                f"differences are undefined (rel err {fmt(self.kink_err)})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -433,8 +466,8 @@ def _finding_lines(k: int, f: Finding, many: bool, verbose: bool) -> list[str]:
         if f.fix is not None and f.fix.kind == "none" and a.applied:
             lines.append(f"{ind}tried     {a.expression or gk_name(a.name)}: {a.verdict()}")
         elif a.verified:
-            lines.append(f"{ind}also      {a.expression or gk_name(a.name)} (re-run: finite, matches finite "
-                         "differences, same value)")
+            what = "a subgradient at the kink" if a.kink == "subgradient" else "matches finite differences"
+            lines.append(f"{ind}also      {a.expression or gk_name(a.name)} (re-run: finite, {what}, same value)")
         elif a.kind == "code" and not a.applied:
             advice = a.advice[0].lower() + a.advice[1:] if a.advice.startswith("Or") else a.advice
             lines.append(f"{ind}also      {'' if advice.startswith('or ') else 'or '}{advice} (not re-run)")

@@ -25,7 +25,10 @@ point, the one-sided differences equal (no kink, no jump) and the central
 differences at ``s`` and ``s/2`` equal (no pole between them). An element
 whose difference is unusable at the usual step ``1e-6 max(1, |x|)`` and whose
 value is much smaller than that step is tried again at ``1e-3 |x|`` (``x =
-1e-8`` next to a singularity at 0).
+1e-8`` next to a singularity at 0). Where the differences stay undefined at
+elements of the finding (a kink: a norm at 0), :meth:`Reference.nearby`
+and :mod:`gradkit._src.audit.kink` decide from the float64 gradients at
+nearby points instead (``FDResult.kink``).
 
 :func:`value_check` says whether the forward value is unchanged by a fix.
 """
@@ -40,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
+from gradkit._src.audit import kink as kink_ref
 from gradkit._src.audit.program import Program
 from gradkit._src.checks import fd
 from gradkit._src.checks.describe import fmt, one_line, to_f64
@@ -68,6 +72,9 @@ class FDResult:
       excluded: elements and directions left out (the differences undefined: a kink, a jump, a pole, a
         non-finite value).
       note: why nothing was compared.
+      kink: where finite differences were undefined at elements of the finding, the verdict of the
+        generalized-gradient reference there (:mod:`gradkit._src.audit.kink`; those elements then are not
+        counted in ``excluded``); ``None``: not used, or undecided (a pole).
     """
 
     matches: bool | None
@@ -76,6 +83,7 @@ class FDResult:
     directions: int = 0
     excluded: int = 0
     note: str = ""
+    kink: kink_ref.Verdict | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,6 +203,8 @@ class Reference:
         self._diffs: list[_Diffs] | None = None
         self._values: list[np.ndarray] | None = None
         self._valued = False
+        self._nearby: kink_ref.Nearby | None = None
+        self._near_done = False
 
     def values(self) -> list[np.ndarray] | None:
         """The function's outputs in float64 (``None`` where it does not run in float64)."""
@@ -330,9 +340,38 @@ class Reference:
             compared += int(d.usable.sum())
             directions += int(d.dir_usable.sum())
             excluded += int((~d.usable).sum()) + int((~d.dir_usable).sum())
-        if compared == 0 and directions == 0:
+        verdict = None
+        if ok and excluded:  # elements where differences are undefined: a kink's generalized gradient
+            near = self.nearby()
+            if near is not None:
+                rtol = max(GRAD_RTOL.get(np.dtype(np.asarray(g).dtype), 2e-3) for g in grads)
+                verdict = near.judge(grads, rtol, floor)
+                ok, excluded = verdict.ok, excluded - verdict.elements
+                worst = max(worst, verdict.error) if verdict.kind == "gradient" else worst
+        if compared == 0 and directions == 0 and verdict is None:
             return FDResult(None, None, 0, 0, excluded, "no element where finite differences are defined")
-        return FDResult(ok, worst, compared, directions, excluded)
+        return FDResult(ok, worst, compared, directions, excluded, kink=verdict)
+
+    def nearby(self) -> kink_ref.Nearby | None:
+        """The float64 gradients near the point on the elements where the differences are undefined (the
+        non-finite gradient elements first, at most :data:`kink_ref.ELEMENTS`), computed once; ``None``
+        where there is no generalized gradient (:func:`kink_ref.nearby`)."""
+        if not self._near_done:
+            self._near_done = True
+            diffs = self.differences()
+            first: list[tuple[int, int]] = []
+            rest: list[tuple[int, int]] = []
+            for p, d in enumerate(diffs):
+                must = set(self.must[p]) if p < len(self.must) else set()
+                for i in d.coords[~d.usable]:
+                    (first if int(i) in must else rest).append((p, int(i)))
+            try:
+                with jax.enable_x64(True):
+                    p64 = self.prog.cast(to_f64)
+                    self._nearby = kink_ref.nearby(p64, [jnp.asarray(v) for v in p64.dyn], (first + rest))
+            except Exception:  # the gradient does not run in float64: the elements stay left out
+                self._nearby = None
+        return self._nearby
 
 
 _TINY = float(np.finfo(np.float64).tiny)
