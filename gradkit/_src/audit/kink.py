@@ -207,7 +207,7 @@ def nearby(prog64: Program, dyn64: Sequence[jax.Array], elements: Sequence[tuple
 
     shapes = [(tuple(x.shape), np.dtype(x.dtype)) for x in mine]
     runs: Compiled = {}
-    batch = batch_size((mine, mine), len(offsets))
+    batch = batch_size((mine, mine, mine), len(offsets))  # per point: a perturbed copy, its offset, its gradient
 
     def run(offs: np.ndarray) -> np.ndarray:
         return evaluate(h, mine, _perturb, _Offsets(shapes, where, offs), np.arange(len(offs)),
