@@ -106,6 +106,7 @@ def test_nan_inside_scan_says_so(reports):
     assert "inside scan at" in str(reports["path_length"])
 
 
+@pytest.mark.slow  # 2.5-4 s on 2 cores, an example test: the slow set (CI runs it)
 def test_fixed_examples_match_float64_autodiff_of_the_original(x64):
     for name in ("logistic_loss", "pair_distance_loss", "angle_loss", "masked_log_partition"):
         args = INPUTS[name]

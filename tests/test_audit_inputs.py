@@ -59,6 +59,7 @@ def test_prng_key_arguments_are_held_inputs_and_random_ops_replay(make_key):
     assert r.gradients[0][0] == "w"  # the key is held, not differentiated
 
 
+@pytest.mark.slow  # 2.5-4 s on 2 cores, an example test: the slow set (CI runs it)
 def test_guard_audits_a_step_that_splits_its_key():
     g = gk.guard(noisy_sqrt, on_nonfinite="report")
 

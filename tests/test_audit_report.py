@@ -65,6 +65,7 @@ def test_a_flax_model_of_102_leaves_leads_with_the_birth_and_a_verified_fix():
     assert len(r.to_dict()["inputs"]) == 103
 
 
+@pytest.mark.slow  # 2.5-4 s on 2 cores, an example test: the slow set (CI runs it)
 def test_many_leaves_are_grouped_by_module_path_without_verbose():
     loss, params, x = _flax_model(51)
     r = gk.audit(loss, params, x, fix=False)

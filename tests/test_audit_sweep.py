@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import gradkit as gk
 from gradkit._src.audit.sweep import BUDGET, Sweep
@@ -24,6 +25,7 @@ def _random_mask():
     raise AssertionError("no mask without a fully masked row")
 
 
+@pytest.mark.slow  # 2.5-4 s on 2 cores, an example test: the slow set (CI runs it)
 def test_sweep_finds_a_fully_masked_row_from_a_random_mask():
     mask = _random_mask()
     scores = jax.random.normal(jax.random.key(1), (8, 5))

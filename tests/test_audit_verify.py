@@ -8,6 +8,7 @@ Every expected value here is computed independently: ``jax.grad`` of the same fu
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import gradkit as gk
 from gradkit._src.audit import verify as audit_verify
@@ -36,6 +37,7 @@ B = np.array([0.3, -0.2, 0.1, 0.5], F32)
 X = np.asarray(jax.random.normal(jax.random.key(2), (5, 3)), F32)
 
 
+@pytest.mark.slow  # 2.5-4 s on 2 cores, an example test: the slow set (CI runs it)
 def test_a_right_fix_is_verified_where_one_input_has_a_zero_gradient():
     naive = lambda w, b, x: _shift_invariant(w, b, x, jnp.linalg.norm)
     fixed = lambda w, b, x: _shift_invariant(w, b, x, gk.stable.safe_norm)

@@ -98,6 +98,7 @@ def test_complex_rule_returning_real_cotangent_is_rejected():
             jnp.array([1.0 + 1.0j], jnp.complex64))
 
 
+@pytest.mark.slow  # 2.5-4 s on 2 cores, an example test: the slow set (CI runs it)
 def test_python_numbers_are_static_as_jax_jit_static_argnums_is():
     """Eager calls with a Python float: jax.jit(static_argnums=0)'s value bit for bit, over many values."""
     fn = lambda x: jnp.sin(x) * 2.0 + jnp.exp(x / 50.0)

@@ -359,6 +359,7 @@ def test_verdict_property_long(name, x, order):
     _check_verdict_matches(name, x, order)
 
 
+@pytest.mark.slow  # 2.5-4 s on 2 cores, an example test: the slow set (CI runs it)
 def test_default_order_is_one_and_a_passing_report_is_one_line_per_order_and_mode():
     """Issue 29: order 2 by default cost a 65-parameter model 24 s and 24 lines; now order 1, one line per mode."""
     def loss(p, x):

@@ -69,6 +69,7 @@ def test_main_job_audits_the_examples_and_exits_1():
     assert elapsed < 120  # the README's main job: well under a minute on a normal machine
 
 
+@pytest.mark.slow  # 2.5-4 s on 2 cores, an example test: the slow set (CI runs it)
 def test_json_report_parses_and_exit_codes(finite_file):
     p = run("audit", "examples/unstable_losses.py:angle_loss", "--json", "--quiet")
     assert p.returncode == 1, p.stderr
@@ -131,6 +132,7 @@ def test_in_process_errors(capsys, finite_file, monkeypatch):
         assert err.startswith("[gradkit] ") and message in err and err.count("\n") == 1, (argv, err)
 
 
+@pytest.mark.slow  # 2.5-4 s on 2 cores, an example test: the slow set (CI runs it)
 def test_in_process_table_sweep_and_demo(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     assert main(["audit", "examples/unstable_losses.py:gaussian_nll", "--table", "SAFE", "--sweep"]) == 1
@@ -226,6 +228,7 @@ def test_files_are_modules_while_they_run(capsys, tmp_path):
     assert not [m for m in set(sys.modules) - before if m.startswith("_gradkit_target_")]
 
 
+@pytest.mark.slow  # 2.5-4 s on 2 cores, an example test: the slow set (CI runs it)
 def test_demo_hint_works_from_any_directory(capsys, monkeypatch, tmp_path):
     from gradkit._src.cli import main as cli
 

@@ -45,6 +45,7 @@ def _single_process():
     return values, params
 
 
+@pytest.mark.slow  # 2.5-4 s on 2 cores, an example test: the slow set (CI runs it)
 def test_two_processes_train_like_one(tmp_path):
     assert not np.isfinite(np.asarray(jax.grad(loss)(init_params(), *batch())["w"])).all()  # plain: NaN
     port = _free_port()

@@ -17,6 +17,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 CHILD = textwrap.dedent("""
     import json, sys
     import jax, jax.numpy as jnp, numpy as np
@@ -62,6 +64,7 @@ def _run(cache_dir: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # 2.5-4 s on 2 cores, an example test: the slow set (CI runs it)
 def test_persistent_cache_serves_overridden_functions_across_processes(tmp_path):
     cache = str(tmp_path / "jax_cache")
     first = _run(cache)

@@ -318,6 +318,7 @@ def test_reports_hold_no_copy_of_the_arguments(maybe_jit, mode, audits):
     assert not any(isinstance(v, (np.ndarray, jax.Array)) for v in vars(r).values())
 
 
+@pytest.mark.slow  # 2.5-4 s on 2 cores, an example test: the slow set (CI runs it)
 def test_reports_wait_only_for_the_capped_audits(monkeypatch, audits):
     slow_s = 2.0
 

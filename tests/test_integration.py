@@ -109,6 +109,7 @@ def test_equinox_model_trains_with_override():
 # --------------------------------------------------------------------------- Flax
 
 
+@pytest.mark.slow  # 2.5-4 s on 2 cores, an example test: the slow set (CI runs it)
 def test_flax_linen_model_trains_with_override():
     class MLP(nn.Module):
         act: object

@@ -170,6 +170,7 @@ def train_step(model, opt, x, loss_fn):
     return l
 
 
+@pytest.mark.slow  # 2.5-4 s on 2 cores, an example test: the slow set (CI runs it)
 def test_inside_nnx_jit_train_step_equals_nnx_jit():
     model, ref = Net(), Net()
     opt, ref_opt = _optimizer(model), _optimizer(ref)

@@ -118,6 +118,7 @@ def check(scope, inside, table=None):
     return got
 
 
+@pytest.mark.slow  # 2.5-4 s on 2 cores, an example test: the slow set (CI runs it)
 def test_the_reference_is_not_the_plain_model():
     # the check below could fail: the hand-written rule changes the gradient where it applies
     plain, ruled = _value_and_grads(loss, Model()), _value_and_grads(loss, Model(lambda p: p == "enc.inner"))
@@ -197,6 +198,7 @@ def test_remat_module():
     check("ckpt", {"ckpt"})
 
 
+@pytest.mark.slow  # 2.5-4 s on 2 cores, an example test: the slow set (CI runs it)
 def test_scanned_stack_has_a_path_and_an_index_inside_it_is_an_error():
     check("stack", {"stack"})
     scopes = _rule_scopes(gk.override(loss, gk.RuleTable({"sin": X2}).within("stack")), Model(), X)

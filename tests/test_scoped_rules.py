@@ -213,6 +213,7 @@ def _in_transforms_ref(x, s):
     return z + jnp.sin(x)
 
 
+@pytest.mark.slow  # 2.5-4 s on 2 cores, an example test: the slow set (CI runs it)
 def test_scope_around_control_flow_and_inside_bodies():
     x = jnp.float32(0.4)
     f = gk.override(_in_transforms, gk.RuleTable({"sin": X2}).within("enc"))
@@ -437,6 +438,7 @@ def test_origin_is_carried_through_or_and_within_and_is_not_content():
 # --------------------------------------------------------------------------- Flax linen, Equinox
 
 
+@pytest.mark.slow  # 2.5-4 s on 2 cores, an example test: the slow set (CI runs it)
 def test_flax_linen_submodule():
     nn = pytest.importorskip("flax.linen")
 

@@ -132,6 +132,7 @@ def test_gradkit_registers_rules_for_its_own_primitive_only():
                 assert not str(getattr(v, "__module__", "")).startswith("gradkit"), (k, v)
 
 
+@pytest.mark.slow  # 2.5-4 s on 2 cores, an example test: the slow set (CI runs it)
 def test_jax_state_and_plain_gradients_unchanged_in_process():
     before, bits = jax_state(), plain_gradient_bits()
     use_gradkit_every_way()

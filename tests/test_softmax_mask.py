@@ -100,6 +100,7 @@ def test_rule_changes_nothing_but_rounding_where_no_row_is_fully_masked():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=4e-7, atol=0)
 
 
+@pytest.mark.slow  # 2.5-4 s on 2 cores, an example test: the slow set (CI runs it)
 def test_batched_attention_einsum_with_heads():
     rng = np.random.RandomState(1)
     mask = rng.rand(2, 1, 5, 6) < 0.7
@@ -142,6 +143,7 @@ def test_audit_proposes_and_verifies_the_rule_route(fn):
     assert all(bool(jnp.all(jnp.isfinite(x))) for x in g)
 
 
+@pytest.mark.slow  # 2.5-4 s on 2 cores, an example test: the slow set (CI runs it)
 def test_audit_says_no_table_fixes_a_nan_value():
     def multiplied_by_zero(scores, v):  # the masked row times 0: NaN * 0 is NaN, the loss itself is NaN
         p = jax.nn.softmax(jnp.where(MASK, scores, -jnp.inf), axis=-1)

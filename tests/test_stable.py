@@ -488,6 +488,7 @@ def test_check_grads_reductions(x64):
         check_grads(f, (x,), order=1, modes=("fwd", "rev"))
 
 
+@pytest.mark.slow  # 2.5-4 s on 2 cores, an example test: the slow set (CI runs it)
 def test_higher_orders_are_finite_at_the_edges():
     for fn, xs in [(st.sigmoid, [-100.0, 0.0, 100.0]), (st.log1pexp, [-1e4, 0.0, 1e4]),
                    (st.silu, [-100.0, -1.2784646, 100.0]), (st.sinc, [0.0, 1.0, 1e6]),
