@@ -1,0 +1,448 @@
+"""Where a path is masked: the dataflow SAFE reads to tell a mask from a value zero.
+
+A derivative path through an equation is *masked* for an element when
+structure, not arithmetic, makes it contribute nothing:
+
+* a selection does not take it — the unused side of ``select_n`` (``where``),
+  of ``max``/``min`` (JAX's forward mode: the side that is not the result;
+  both at a tie), of ``clamp``;
+* it is multiplied by a zero that does not depend on the differentiated
+  inputs — a literal, a constant of the program, a value behind
+  ``stop_gradient`` or computed from booleans (a 0/1 mask) — in a product or a
+  contraction (``dot_general``: per contracted term).
+
+Two passes over one program (a body: scan, cond and while bodies are
+programs of their own; their boundaries count as live, which leaves JAX's
+answer):
+
+* **up** (forward): for each value, the elements that some unmasked path
+  reaches from the program's inputs;
+* **down** (backward): for each value, the elements from which some unmasked
+  path reaches the program's outputs.
+
+A SAFE rule then masks an element of its equation where no live path
+arrives (up) or none leaves (down). Each value is ``True`` (every element
+live), ``False`` (none) or a boolean array. With ``values=None`` the passes
+run *statically*: anything that depends on a runtime value is :data:`DYN`;
+an equation whose masks are all statically ``True`` needs no mask at all and
+keeps JAX's own equation.
+
+Everything not known here is live (conservative: JAX's answer, NaN included).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from gradkit._src import compat
+from gradkit._src.core import walk
+
+
+class _Dyn:
+    """A liveness that depends on runtime values (static mode)."""
+
+    def __repr__(self) -> str:
+        return "DYN"
+
+
+DYN = _Dyn()
+Live = Union[bool, _Dyn, jax.Array]
+
+# Elementwise primitives: each output element depends on the same element of each operand.
+ELEMENTWISE = frozenset({
+    "neg", "sign", "floor", "ceil", "round", "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic",
+    "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "lgamma", "digamma",
+    "igamma", "igammac", "igamma_grad_a", "random_gamma_grad", "bessel_i0e", "bessel_i1e", "erf", "erfc",
+    "erf_inv", "sqrt", "rsqrt", "cbrt", "abs", "integer_pow", "pow", "add", "sub", "div", "rem", "atan2",
+    "nextafter", "square", "real", "imag", "conj", "complex", "polygamma", "zeta", "regularized_incomplete_beta",
+    "convert_element_type", "reduce_precision", "copy", "copy_p", "add_any", "tan", "mul", "max", "min",
+    "select_n", "clamp",
+})
+# Linear structural primitives: liveness moves as the values do (the primitive itself, and its transpose).
+STRUCTURAL = frozenset({
+    "reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "slice", "dynamic_slice",
+    "dynamic_update_slice", "pad", "concatenate", "gather", "rev", "reduce_sum", "cumsum", "scatter-add",
+    "scatter_add", "select_and_gather_add", "split",
+})
+# Primitives whose outputs carry no derivative.
+_NO_DERIVATIVE = frozenset({"stop_gradient"})
+
+
+def _inexact(atom: compat.Atom) -> bool:
+    return bool(jnp.issubdtype(walk.shaped(atom.aval).dtype, jnp.inexact))
+
+
+def _shape(atom: compat.Atom) -> tuple[int, ...]:
+    return tuple(walk.shaped(atom.aval).shape)
+
+
+class _Ops:
+    """Boolean algebra on liveness values; static mode turns anything runtime into :data:`DYN`."""
+
+    def __init__(self, static: bool) -> None:
+        self.static = static
+
+    def or_(self, a: Live, b: Live) -> Live:
+        if a is True or b is True:
+            return True
+        if a is False:
+            return b
+        if b is False:
+            return a
+        if a is DYN or b is DYN:
+            return DYN
+        return jnp.logical_or(a, b)
+
+    def and_(self, a: Live, b: Live) -> Live:
+        if a is False or b is False:
+            return False
+        if a is True:
+            return b
+        if b is True:
+            return a
+        if a is DYN or b is DYN:
+            return DYN
+        return jnp.logical_and(a, b)
+
+    def array(self, a: Live, shape: tuple[int, ...]) -> jax.Array:
+        if isinstance(a, bool):
+            return jnp.full(shape, a)
+        assert not isinstance(a, _Dyn)
+        return jnp.broadcast_to(a, shape)
+
+    def runtime(self, fn: Callable[[], jax.Array]) -> Live:
+        return DYN if self.static else fn()
+
+
+class Unknown(Exception):
+    """A value the masks need cannot be computed apart from the program (an effect on its way)."""
+
+
+Values = Callable[[compat.Atom], Any]
+
+
+def _value(values: Values | None, atom: compat.Atom) -> Any:
+    if isinstance(atom, compat.Literal):
+        return atom.val
+    assert values is not None
+    return values(atom)
+
+
+def _nonzero(ops: _Ops, values: Values | None, up: Live, atom: compat.Atom) -> Live:
+    """Where the factor ``atom`` is not a masking zero: it varies (``up``) or it is not 0."""
+    if up is True:
+        return True
+    if isinstance(atom, compat.Literal):
+        v = np.asarray(atom.val)
+        nz = bool(np.all(v != 0))
+        return ops.or_(up, True) if nz else (up if not np.any(v != 0) else ops.or_(up, DYN if ops.static
+                                                                                          else jnp.asarray(v != 0)))
+    if ops.static:
+        return DYN
+    return ops.or_(up, jnp.asarray(_value(values, atom)) != 0)
+
+
+def up_pass(jaxpr: compat.Jaxpr, values: Values | None) -> dict[compat.Var, Live]:
+    """For each variable: where some unmasked path from the program's inputs reaches it."""
+    ops = _Ops(values is None)
+    up: dict[compat.Var, Live] = {}
+    for v in jaxpr.invars:
+        up[v] = _inexact(v)
+    for v in jaxpr.constvars:
+        up[v] = False
+
+    def get(a: compat.Atom) -> Live:
+        return False if isinstance(a, compat.Literal) else up.get(a, False)
+
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        ins = [get(a) for a in eqn.invars]
+        outs: list[Live]
+        if name in _NO_DERIVATIVE or not any(x is not False for x, a in zip(ins, eqn.invars) if _inexact(a)):
+            outs = [False] * len(eqn.outvars)
+        else:
+            try:
+                outs = [_up_rule(ops, values, eqn, ins)] if len(eqn.outvars) == 1 else [True] * len(eqn.outvars)
+            except Unknown:
+                outs = [True] * len(eqn.outvars)
+        for v, o in zip(eqn.outvars, outs):
+            up[v] = o if _inexact(v) else False
+    return up
+
+
+def _up_rule(ops: _Ops, values: Values | None, eqn: compat.JaxprEqn, ins: list[Live]) -> Live:
+    name = eqn.primitive.name
+    a = eqn.invars
+    out = eqn.outvars[0]
+    if name == "select_n":
+        cases = ins[1:]
+        if all(c is True for c in cases):
+            return True
+        if all(c is False for c in cases):
+            return False
+        return ops.runtime(lambda: lax.select_n(jnp.asarray(_value(values, a[0])),
+                                                *[ops.array(c, _shape(out)) for c in cases]))
+    if name == "mul":
+        return ops.or_(ops.and_(ins[0], _nonzero(ops, values, ins[1], a[1])),
+                       ops.and_(ins[1], _nonzero(ops, values, ins[0], a[0])))
+    if name in ("max", "min"):
+        return _chosen(ops, values, name, a, ins, _shape(out), up=True)
+    if name == "clamp":
+        return _clamp(ops, values, a, ins, _shape(out), None)
+    if name == "dot_general":
+        return _dot_up(ops, values, eqn, ins)
+    if name in ("reduce_max", "reduce_min"):
+        if ins[0] is True:
+            return True
+        return ops.runtime(lambda: _reduce_chosen_up(ops, values, eqn, ins[0]))
+    if name in ELEMENTWISE:
+        live: Live = False
+        for x, atom in zip(ins, a):
+            if _inexact(atom):
+                live = ops.or_(live, x)
+        return live
+    if name in STRUCTURAL:
+        if all(x is True or not _inexact(atom) for x, atom in zip(ins, a)) and name in _ONTO:
+            return True
+        return ops.runtime(lambda: _apply_structural(ops, values, eqn, ins))
+    return True  # not known here: live
+
+
+# Structural primitives under which an all-live input stays all-live.
+_ONTO = frozenset({"reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "rev", "reduce_sum",
+                   "cumsum", "slice", "dynamic_slice", "gather", "concatenate", "split"})
+
+
+def _chosen(ops: _Ops, values: Values | None, name: str, a: Sequence[compat.Atom], live: list[Live],
+            shape: tuple[int, ...], up: bool, d_out: Live = True) -> Any:
+    """``max``/``min``: the side JAX's derivative takes (both at a tie)."""
+    if ops.static:
+        return DYN if up else [DYN if live_i is not False else False for live_i in live]
+
+    def side(i: int) -> jax.Array:
+        x, y = (jnp.asarray(_value(values, a[j])) for j in (i, 1 - i))
+        return jnp.broadcast_to((x >= y) if name == "max" else (x <= y), shape)
+
+    if up:
+        return ops.or_(ops.and_(live[0], side(0)), ops.and_(live[1], side(1)))
+    return [ops.and_(d_out, side(0)), ops.and_(d_out, side(1))]
+
+
+def _clamp(ops: _Ops, values: Values | None, a: Sequence[compat.Atom], live: list[Live], shape: tuple[int, ...],
+           d_out: Live | None) -> Any:
+    """``clamp(lo, x, hi)``: the operand JAX's derivative takes (strict inequalities, as JAX's rule)."""
+    if ops.static:
+        return DYN if d_out is None else [DYN, DYN, DYN]
+    lo, x, hi = (jnp.broadcast_to(jnp.asarray(_value(values, v)), shape) for v in a)
+    takes = [(lo > x) & (lo < hi), (x > lo) & (x < hi), hi < x]
+    if d_out is None:
+        out: Live = False
+        for t, lv in zip(takes, live):
+            out = ops.or_(out, ops.and_(lv, t))
+        return out
+    return [ops.and_(d_out, t) for t in takes]
+
+
+def _as_f32(ops: _Ops, x: Live, atom: compat.Atom) -> jax.Array:
+    return ops.array(x, _shape(atom)).astype(jnp.float32)
+
+
+def _dot_up(ops: _Ops, values: Values | None, eqn: compat.JaxprEqn, ins: list[Live]) -> Live:
+    a, b = eqn.invars
+    nz_a, nz_b = _nonzero(ops, values, ins[0], a), _nonzero(ops, values, ins[1], b)
+    if (ins[0] is True and nz_b is True) or (ins[1] is True and nz_a is True):
+        return True
+    if ops.static:
+        return DYN
+    dn = eqn.params["dimension_numbers"]
+
+    def dot(x: jax.Array, y: jax.Array) -> jax.Array:
+        return lax.dot_general(x, y, dn, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+    total = dot(_as_f32(ops, ins[0], a), _as_f32(ops, nz_b, b)) + dot(_as_f32(ops, nz_a, a), _as_f32(ops, ins[1], b))
+    return total > 0
+
+
+def _reduce_chosen_up(ops: _Ops, values: Values | None, eqn: compat.JaxprEqn, live: Live) -> jax.Array:
+    x = jnp.asarray(_value(values, eqn.invars[0]))
+    out = jnp.asarray(_value(values, eqn.outvars[0]))
+    axes = tuple(eqn.params["axes"])
+    at = x == jnp.expand_dims(out, axes)
+    return jnp.any(ops.and_(ops.array(live, x.shape), at), axis=axes)  # type: ignore[arg-type]
+
+
+def _apply_structural(ops: _Ops, values: Values | None, eqn: compat.JaxprEqn, ins: list[Live]) -> jax.Array:
+    args = [_as_f32(ops, x, atom) if _inexact(atom) else _value(values, atom) for x, atom in zip(ins, eqn.invars)]
+    out = compat.bind_primitive(eqn.primitive, args, dict(eqn.params))
+    return out[0] > 0
+
+
+def down_pass(jaxpr: compat.Jaxpr, values: Values | None, up: dict[compat.Var, Live]) -> dict[compat.Var, Live]:
+    """For each variable: where some unmasked path from it reaches the program's outputs."""
+    ops = _Ops(values is None)
+    down: dict[compat.Var, Live] = {}
+
+    def add(atom: compat.Atom, live: Live) -> None:
+        if isinstance(atom, compat.Literal) or up.get(atom, False) is False:
+            return  # nothing varies there: no derivative to mask
+        down[atom] = ops.or_(down.get(atom, False), live)
+
+    for v in jaxpr.outvars:
+        if not isinstance(v, compat.Literal) and _inexact(v):
+            add(v, True)
+    for eqn in reversed(jaxpr.eqns):
+        d_outs = [down.get(v, False) for v in eqn.outvars]
+        if all(d is False for d in d_outs):
+            continue
+        name = eqn.primitive.name
+        if name in _NO_DERIVATIVE:
+            continue
+        ins = [False if isinstance(a, compat.Literal) else up.get(a, False) for a in eqn.invars]
+        try:
+            if len(eqn.outvars) != 1:
+                raise Unknown
+            for atom, live in zip(eqn.invars, _down_rule(ops, values, eqn, ins, d_outs[0])):
+                if live is not False and _inexact(atom):
+                    add(atom, live)
+        except Unknown:
+            for atom in eqn.invars:
+                if _inexact(atom):
+                    add(atom, True)
+    return down
+
+
+def _down_rule(ops: _Ops, values: Values | None, eqn: compat.JaxprEqn, ins: list[Live], d: Live) -> list[Live]:
+    name = eqn.primitive.name
+    a = eqn.invars
+    shape = _shape(eqn.outvars[0])
+    if name == "select_n":
+        if ops.static:
+            return [False] + [ops.and_(d, DYN) for _ in a[1:]]
+        p = jnp.asarray(_value(values, a[0]))
+        return [False] + [ops.and_(d, jnp.broadcast_to(p == i if p.dtype != bool else (p if i else ~p), shape))
+                          for i in range(len(a) - 1)]
+    if name == "mul":
+        return [ops.and_(d, _nonzero(ops, values, ins[1], a[1])), ops.and_(d, _nonzero(ops, values, ins[0], a[0]))]
+    if name in ("max", "min"):
+        if ops.static:
+            return [ops.and_(d, DYN), ops.and_(d, DYN)]
+        return list(_chosen(ops, values, name, a, ins, shape, up=False, d_out=d))
+    if name == "clamp":
+        if ops.static:
+            return [ops.and_(d, DYN)] * 3
+        return list(_clamp(ops, values, a, ins, shape, d))
+    if name == "dot_general":
+        return _dot_down(ops, values, eqn, ins, d)
+    if name in ("reduce_max", "reduce_min"):
+        if ops.static:
+            return [DYN]
+        x = jnp.asarray(_value(values, a[0]))
+        out = jnp.asarray(_value(values, eqn.outvars[0]))
+        axes = tuple(eqn.params["axes"])
+        spread = jnp.broadcast_to(jnp.expand_dims(ops.array(d, shape), axes), x.shape)
+        return [spread & (x == jnp.expand_dims(out, axes))]
+    if name in ELEMENTWISE:
+        return [d if _inexact(atom) else False for atom in a]
+    if name in STRUCTURAL:
+        if d is True and name in _ONTO_BACK:
+            return [True if _inexact(atom) else False for atom in a]
+        if ops.static:
+            return [DYN if _inexact(atom) else False for atom in a]
+        return _transpose_structural(ops, values, eqn, d)
+    raise Unknown
+
+
+# Structural primitives whose transpose takes an all-live cotangent to all-live operands.
+_ONTO_BACK = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "rev", "broadcast_in_dim", "reduce_sum",
+                        "cumsum", "concatenate", "split"})
+
+
+def _dot_down(ops: _Ops, values: Values | None, eqn: compat.JaxprEqn, ins: list[Live], d: Live) -> list[Live]:
+    a, b = eqn.invars
+    nz = [_nonzero(ops, values, ins[0], a), _nonzero(ops, values, ins[1], b)]
+    if d is True and nz[1] is True and nz[0] is True:
+        return [True, True]
+    if ops.static:
+        return [DYN, DYN]
+    dn = eqn.params["dimension_numbers"]
+    d_f = ops.array(d, _shape(eqn.outvars[0])).astype(jnp.float32)
+    fa, fb = _as_f32(ops, nz[0], a), _as_f32(ops, nz[1], b)
+
+    def dot(x: jax.Array, y: jax.Array) -> jax.Array:
+        return lax.dot_general(x, y, dn, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+    _, vjp = jax.vjp(dot, fa, fb)
+    ga, gb = vjp(d_f)
+    return [ga > 0, gb > 0]
+
+
+def _transpose_structural(ops: _Ops, values: Values | None, eqn: compat.JaxprEqn, d: Live) -> list[Live]:
+    idx = [i for i, atom in enumerate(eqn.invars) if _inexact(atom)]
+    fixed = {i: _value(values, atom) for i, atom in enumerate(eqn.invars) if i not in idx}
+
+    def f(*xs: jax.Array) -> jax.Array:
+        args: list[Any] = []
+        it = iter(xs)
+        for i in range(len(eqn.invars)):
+            args.append(next(it) if i in idx else fixed[i])
+        return compat.bind_primitive(eqn.primitive, args, dict(eqn.params))[0]
+
+    structs = [jax.ShapeDtypeStruct(_shape(eqn.invars[i]), jnp.float32) for i in idx]
+    d_f = ops.array(d, _shape(eqn.outvars[0])).astype(jnp.float32)
+    cts = jax.linear_transpose(f, *structs)(d_f)
+    out: list[Live] = [False] * len(eqn.invars)
+    for i, ct in zip(idx, cts):
+        out[i] = ct > 0
+    return out
+
+
+def dead(eqn: compat.JaxprEqn, up: dict[compat.Var, Live], down: dict[compat.Var, Live], ops_static: bool
+         ) -> list[Live]:
+    """Per input of ``eqn``: where its derivative path through ``eqn`` is masked (``True``: everywhere live
+    paths are missing; ``False``: nowhere)."""
+    ops = _Ops(ops_static)
+    d = down.get(eqn.outvars[0], False)
+    out: list[Live] = []
+    for atom in eqn.invars:
+        u = False if isinstance(atom, compat.Literal) else up.get(atom, False)
+        live = ops.and_(u, d)
+        out.append(_not(live))
+    return out
+
+
+def _not(x: Live) -> Live:
+    if isinstance(x, bool):
+        return not x
+    if isinstance(x, _Dyn):
+        return DYN
+    return jnp.logical_not(x)
+
+
+def inline_calls(jaxpr: compat.Jaxpr, consts: Sequence[Any], args: Sequence[Any],
+                 keep: Callable[[compat.JaxprEqn], bool] = lambda eqn: False) -> list[Any]:
+    """Evaluates ``jaxpr`` with every ``jit`` call inlined (not a gradkit named op, nor one ``keep`` keeps):
+    masks found by dataflow then see through ``jnp.where``, ``jnp.clip``, ``jnp.linalg.norm`` (jitted
+    functions of JAX's). Each equation keeps its source line and its whole name stack."""
+    env: dict[Any, Any] = {}
+    for v, c in zip(jaxpr.constvars, consts):
+        env[v] = c
+    for v, x in zip(jaxpr.invars, args):
+        env[v] = x
+    for eqn in jaxpr.eqns:
+        ins = [compat.read_atom(env, a) for a in eqn.invars]
+        with compat.source_of(eqn):
+            if (compat.is_jit(eqn) and not str(eqn.params.get("name", "")).startswith(compat.NAMED_OP_PREFIX)
+                    and not keep(eqn) and not eqn.effects):
+                sub, sub_consts = compat.jaxpr_parts(eqn.params["jaxpr"])
+                outs = inline_calls(sub, sub_consts, ins, keep)
+            else:
+                outs = compat.bind(eqn, ins)
+        for v, o in zip(eqn.outvars, outs):
+            env[v] = o
+    return [compat.read_atom(env, a) for a in jaxpr.outvars]
