@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from gradkit._src import compat
-from gradkit._src.rules import liveness as L
+from gradkit._src.core import liveness as L
 
 SINGULAR = ("sqrt", "log", "div", "acos")
 

@@ -111,6 +111,8 @@ from gradkit._src.compat.primitive import (
     match_varying,
     safe_scale,
     safe_scale_p,
+    masked_scale,
+    masked_scale_p,
 )
 from gradkit._src.compat.source import (
     call_site,
@@ -138,7 +140,7 @@ __all__ = [
     # layers
     "ACTIVATION_FUNCTIONS", "LAYER_KINDS", "Layer", "run_layers",
     # primitive
-    "OWN_PRIMITIVES", "match_varying", "safe_scale", "safe_scale_p",
+    "OWN_PRIMITIVES", "match_varying", "safe_scale", "safe_scale_p", "masked_scale", "masked_scale_p",
     # source
     "call_site", "library_callee", "name_scopes", "register_source_exclusion", "source_line", "source_of",
     "source_span",

@@ -231,3 +231,100 @@ def _safe_scale_lowering(ctx: _mlir_src.LoweringRuleContext, t: _ir.Value, d: _i
 
 
 _mlir.register_lowering(safe_scale_p, _safe_scale_lowering)
+
+
+# =========================================================================== gradkit's own primitive: masked_scale
+#
+# ``masked_scale(t, d, m)`` is ``t * d`` (or ``t / d``), exactly 0 where the boolean ``m`` is true: the
+# product of a tangent by a primal factor on a path that dataflow found masked (SAFE). The mask is an
+# operand, not a property of ``t``: a tangent that is 0 by value (2y at y = 0) is multiplied as JAX
+# multiplies it. Linear in ``t``; the transpose is masked by the same ``m``, and so is the derivative
+# in ``d`` (at every order the masked elements stay exactly 0).
+
+masked_scale_p: Primitive = Primitive("gradkit_masked_scale")
+OWN_PRIMITIVES = frozenset({safe_scale_p, masked_scale_p})
+
+
+def masked_scale(t: ArrayLike, d: ArrayLike, m: ArrayLike, *, divide: bool = False,
+                 out_dtype: DTypeLike | None = None) -> jax.Array:
+    """``t * d`` (``t / d`` with ``divide``), exactly 0 where ``m`` is true; linear in ``t``.
+
+    ``t``, ``d`` and the boolean ``m`` have one shape; ``out_dtype`` as in
+    :func:`safe_scale`. Where ``m`` is false the result is the plain product
+    bit for bit (the operands are selected, then multiplied: XLA fuses the
+    product as it fuses JAX's own).
+    """
+    t, d, m = match_varying([t, d, m])
+    out: jax.Array = masked_scale_p.bind(t, d, m, divide=bool(divide),
+                                         out_dtype=None if out_dtype is None else np.dtype(out_dtype))
+    return out
+
+
+def _masked_value(t: jax.Array, d: jax.Array, m: jax.Array, *, divide: bool,
+                  out_dtype: np.dtype | None = None) -> jax.Array:
+    t, d = _converted(t, out_dtype), _converted(d, out_dtype)
+    zero = _lax.full_like(t, 0)
+    tm = _lax.select(m, zero, t)
+    dm = _lax.select(m, _lax.full_like(d, 1 if divide else 0), d)
+    return _lax.div(tm, dm) if divide else _lax.mul(tm, dm)
+
+
+def _masked_abstract_eval(t: ShapedArray, d: ShapedArray, m: ShapedArray, *, divide: bool,
+                          out_dtype: np.dtype | None) -> ShapedArray:
+    if t.shape != d.shape or m.shape != t.shape or (t.dtype != d.dtype and out_dtype is None):
+        raise _GradkitError(f"internal: masked_scale needs operands of one shape and dtype, got {t.str_short()}, "
+                            f"{d.str_short()} and {m.str_short()}; please report this with the function that "
+                            "triggered it.")
+    return t.update(dtype=t.dtype if out_dtype is None else out_dtype, weak_type=t.weak_type and d.weak_type)
+
+
+def _masked_jvp(primals: Sequence[jax.Array], tangents: Sequence[jax.Array | _ad.Zero], *,
+                divide: bool, out_dtype: np.dtype | None) -> tuple[jax.Array, jax.Array | _ad.Zero]:
+    t, d, m = primals
+    dt, dd, _ = tangents
+    out = masked_scale(t, d, m, divide=divide, out_dtype=out_dtype)
+    terms = []
+    if not isinstance(dt, _ad.Zero):
+        terms.append(masked_scale(dt, d, m, divide=divide, out_dtype=out_dtype))
+    if not isinstance(dd, _ad.Zero):
+        # d(t*d)/dd = t, d(t/d)/dd = -t/d^2: masked like the value, so a masked element stays 0
+        t, d, dd = _converted(t, out_dtype), _converted(d, out_dtype), _converted(dd, out_dtype)
+        if divide:
+            coef = _lax.neg(masked_scale(masked_scale(t, d, m, divide=True), d, m, divide=True))
+        else:
+            coef = t
+        terms.append(masked_scale(dd, coef, m))
+    if not terms:
+        return out, _ad.Zero.from_primal_value(out)  # type: ignore[attr-defined]
+    return out, terms[0] if len(terms) == 1 else _lax.add(terms[0], terms[1])
+
+
+def _masked_transpose(ct: jax.Array | _ad.Zero, t: _ad.UndefinedPrimal, d: jax.Array, m: jax.Array, *,
+                      divide: bool, out_dtype: np.dtype | None) -> list[jax.Array | _ad.Zero | None]:
+    if _ad.is_undefined_primal(d) or _ad.is_undefined_primal(m) or not _ad.is_undefined_primal(t):
+        raise _GradkitError("internal: masked_scale is linear in its first operand only; please report this with "
+                            "the function that triggered it.")
+    if isinstance(ct, _ad.Zero):
+        return [_ad.Zero(t.aval), None, None]
+    return [masked_scale(ct, d, m, divide=divide, out_dtype=None if out_dtype is None else t.aval.dtype), None, None]
+
+
+def _masked_batch(args: Sequence[jax.Array], dims: Sequence[int | None], *,
+                  divide: bool, out_dtype: np.dtype | None) -> tuple[jax.Array, int | None]:
+    if len(set(dims)) == 1:
+        return masked_scale(*args, divide=divide, out_dtype=out_dtype), dims[0]
+    size = next(x.shape[b] for x, b in zip(args, dims) if b is not None)
+
+    def front(x: jax.Array, b: int | None) -> jax.Array:
+        return _lax.broadcast(x, (size,)) if b is None else jax.numpy.moveaxis(x, b, 0)
+
+    t, d, m = (front(x, b) for x, b in zip(args, dims))
+    return masked_scale(t, d, m, divide=divide, out_dtype=out_dtype), 0
+
+
+masked_scale_p.def_impl(_masked_value)
+masked_scale_p.def_abstract_eval(_masked_abstract_eval)
+_ad.primitive_jvps[masked_scale_p] = _masked_jvp
+_ad.primitive_transposes[masked_scale_p] = _masked_transpose
+_batching.primitive_batchers[masked_scale_p] = _masked_batch
+_mlir.register_lowering(masked_scale_p, _mlir.lower_fun(_masked_value, multiple_results=False))

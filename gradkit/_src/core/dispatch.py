@@ -36,7 +36,7 @@ import jax
 
 from gradkit._src import compat
 from gradkit._src.core import args as _args
-from gradkit._src.core import module_paths, named, nnx_state, strict, walk
+from gradkit._src.core import masks, module_paths, named, nnx_state, strict, walk
 from gradkit._src.core.cache import LRU
 from gradkit._src.core.rule import Rule
 from gradkit._src.core.splice import CacheInfo, Replacements, Splicer, op_name
@@ -427,7 +427,9 @@ class Overridden(Generic[R]):
         if self._strict:
             strict.check(self._fn, self._table, body, found)
         splicer = Splicer(self._table, self._replacements)
-        new_body = walk.Rewrite(splicer, scoped=splicer.scoped)(body)
+        masked = splicer.masked_names
+        masked_body = masks.rewrite(body, splicer.masked_match, splicer.keeps_call, masked) if masked else body
+        new_body = walk.Rewrite(splicer, scoped=splicer.scoped)(masked_body)
         if new_body is not body:
             outer = compat.replace_eqns(outer, [call.replace(params={**call.params, "jaxpr": new_body})])
         out_tree = out_box[0]

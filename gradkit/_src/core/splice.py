@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -199,6 +199,40 @@ class Splicer:
         c = self._constants.get(atom) if not isinstance(atom, compat.Literal) else None
         return None if c is None else c.value
 
+    def _rule_of(self, eqn: JaxprEqn, outer: tuple[str, ...]) -> tuple[str, Rule] | None:
+        name = op_name(eqn)
+        if name in self._scoped_ops:  # the equation's whole scopes: the enclosing equations' first
+            return self.table.rule_for(name, outer + compat.name_scopes(eqn), lambda: compat.source_line(eqn))
+        plain = self.table.get(name)
+        return None if plain is None else (name, plain)
+
+    @property
+    def masked_names(self) -> frozenset[str]:
+        """The primitives whose rule in the table is masked by dataflow (SAFE's singular ones)."""
+        names = set()
+        for key in self.table:
+            rule = self.table.get(key)
+            if rule is not None and _masked_binder(rule) is not None:
+                names.add(key.split("::")[-1])
+        return frozenset(names)
+
+    def masked_match(self, eqn: JaxprEqn, outer: tuple[str, ...]) -> Callable[..., list[Any]] | None:
+        """The masked binder for ``eqn`` (see :mod:`gradkit._src.core.masks`), or ``None``."""
+        if walk.has_subprograms(eqn):
+            return None
+        hit = self._rule_of(eqn, outer)
+        if hit is None or hit[0].split("::")[-1] != eqn.primitive.name:
+            return None
+        binder = _masked_binder(hit[1])
+        if binder is not None and hit[0] not in self.matched:
+            self.matched[hit[0]] = compat.source_line(eqn)
+        return binder
+
+    def keeps_call(self, eqn: JaxprEqn) -> bool:
+        """Whether a ``jit`` call stays a call (the table names it): not inlined for the masks."""
+        name = op_name(eqn)
+        return self.table.get(name) is not None or name in self._scoped_ops
+
     def __call__(self, eqn: JaxprEqn, outer: tuple[str, ...] = ()) -> list[JaxprEqn] | None:
         if not self.table:
             return None
@@ -206,17 +240,13 @@ class Splicer:
             c = _constant_value(eqn, self._constants)
             if c is not None:
                 self._constants[eqn.outvars[0]] = c
+        hit = self._rule_of(eqn, outer)
+        if hit is None:
+            return None
+        key, rule = hit
         name = op_name(eqn)
-        if name in self._scoped_ops:  # the equation's whole scopes: the enclosing equations' first
-            hit = self.table.rule_for(name, outer + compat.name_scopes(eqn), lambda: compat.source_line(eqn))
-            if hit is None:
-                return None
-            key, rule = hit
-        else:
-            plain = self.table.get(name)
-            if plain is None:
-                return None
-            key, rule = name, plain
+        if _masked_binder(rule) is not None and name == eqn.primitive.name:
+            return None  # masked by dataflow (core/masks.py), or JAX's own where no mask reaches it
         if key not in self.matched:
             self.matched[key] = compat.source_line(eqn)
         # A library rule may know that, on this equation, it is JAX's own derivative bit for bit (SAFE's
@@ -227,6 +257,13 @@ class Splicer:
         if keeps is not None and name == eqn.primitive.name and library and keeps(eqn, self.constant):
             return None
         return [self.replacements.splice(rule, name, eqn)]
+
+
+def _masked_binder(rule: Rule) -> Callable[..., list[Any]] | None:
+    """A library rule's binder with dataflow masks (``rule.fn.masked``), or ``None``."""
+    if rule.key[:1] != ("gradkit",):
+        return None
+    return getattr(rule.fn, "masked", None)
 
 
 # --------------------------------------------------------------------------- constants of a program

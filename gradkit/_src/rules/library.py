@@ -90,7 +90,13 @@ class OpRule:
 
 
 def _safe(op: str, doc: str, table: str | None = "SAFE") -> OpRule:
-    return OpRule(op, doc, functools.partial(safe_rules.safe_rule, op), (op,), table)
+    """A singular primitive's SAFE rule: masked where dataflow finds its paths masked (core/masks.py)."""
+    return OpRule(op, doc, functools.partial(safe_rules.safe_rule, op, True), (op,), table)
+
+
+def _zero_cotangent(op: str, doc: str) -> OpRule:
+    """The opt-in rule of earlier SAFE versions: the derivative 0 wherever the incoming (co)tangent is 0."""
+    return OpRule(op, doc, functools.partial(safe_rules.safe_rule, op, False), (op,), None)
 
 
 SAFE_FAMILY: dict[str, OpRule] = {r.op: r for r in [
@@ -111,14 +117,15 @@ SAFE_FAMILY: dict[str, OpRule] = {r.op: r for r in [
     _safe("rem", "x/y: inf at y = 0"),
     _safe("atan2", "(y, -x)/(x^2+y^2): NaN at the origin"),
     _safe("pow", "y x^(y-1): inf/NaN at x = 0; x^y log x: NaN at x = 0"),
-    # Masks: derivatives that are 0 on part of the domain. In reverse mode an infinite cotangent
-    # from a singular op before them (arccos(clip(y)), sqrt(sum(x ** 2)) at 0) meets the 0 there.
-    _safe("max", "a 0/1 mask (0.5 at ties): inf * 0 in reverse mode behind clip, relu"),
-    _safe("min", "a 0/1 mask (0.5 at ties): inf * 0 in reverse mode behind clip"),
-    _safe("square", "2x: inf * 0 in reverse mode at x = 0 (a norm of a zero vector)"),
-    _safe("reduce_max", "a 0/1 mask over the maximal elements: inf * 0 in reverse mode"),
-    _safe("reduce_min", "a 0/1 mask over the minimal elements: inf * 0 in reverse mode"),
-    _safe("mul", "the other operand: x * log(x) is 0 * -inf at 0; a 0/1 mask times an infinite derivative"),
+    # Opt-in, the answer of earlier SAFE versions: 0 wherever the incoming (co)tangent is 0, a value zero
+    # included (a norm of a zero vector: 0, a subgradient). SAFE finds masks by dataflow instead; these
+    # ops are where it looks (a selection, a product by a constant zero).
+    _zero_cotangent("max", "a 0/1 mask (0.5 at ties): 0 where the incoming (co)tangent is 0"),
+    _zero_cotangent("min", "a 0/1 mask (0.5 at ties): 0 where the incoming (co)tangent is 0"),
+    _zero_cotangent("square", "2x: 0 where the incoming (co)tangent is 0 (a norm of a zero vector: 0)"),
+    _zero_cotangent("reduce_max", "a 0/1 mask over the maximal elements: 0 where the (co)tangent is 0"),
+    _zero_cotangent("reduce_min", "a 0/1 mask over the minimal elements: 0 where the (co)tangent is 0"),
+    _zero_cotangent("mul", "the other operand: 0 where the incoming (co)tangent is 0 (x * log(x) at 0: 0)"),
     # Opt-in (no ready table ships them): a fully masked softmax row (every score -inf) is NaN in the
     # forward pass; a loss that drops it with a `where` is finite, but its gradient multiplies the NaN
     # row by its zero cotangent in `exp` and in the matrix product with V:

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 from jax.typing import ArrayLike, DTypeLike
 
 from gradkit._src import compat
@@ -64,6 +65,8 @@ class _Scale:
     # The product is then select(b, t, 0), which is what XLA makes of JAX's own t * convert(b) (+0 where b
     # is false, whatever t's sign; 0 for an infinite t: masked, as SAFE wants).
     indicator: compat.Atom | None = None
+    # The differentiated inputs (their positions among the tangents) the tangent ``source`` comes from.
+    origins: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +123,7 @@ def _trace_program(prim: compat.Primitive, params: tuple[tuple[str, object], ...
     eqns = list(jaxpr.eqns)
     primal_vars = list(jaxpr.invars[:len(structs)])
     linear = set(jaxpr.invars[len(structs):])
+    origin: dict[object, frozenset[int]] = {v: frozenset({k}) for k, v in enumerate(jaxpr.invars[len(structs):])}
     indicators = {e.outvars[0]: e.invars[0] for e in eqns  # a boolean converted to a number: a 0/1 indicator
                   if e.primitive.name == "convert_element_type" and not compat.is_literal(e.invars[0])
                   and walk.shaped(e.invars[0].aval).dtype == np.dtype(bool)}
@@ -136,6 +140,9 @@ def _trace_program(prim: compat.Primitive, params: tuple[tuple[str, object], ...
             kind = _PRIMAL if same else _VALUE
         else:
             linear.update(eqn.outvars)
+            came = frozenset().union(*(origin.get(a, frozenset()) for a, is_lin in zip(eqn.invars, lin) if is_lin))
+            for v in eqn.outvars:
+                origin[v] = came
             name = eqn.primitive.name
             if len(lin) == 2 and sum(lin) == 1 and (name == "mul" or (name == "div" and lin[0])):
                 src, factor = eqn.invars[lin.index(True)], eqn.invars[1 - lin.index(True)]
@@ -145,7 +152,8 @@ def _trace_program(prim: compat.Primitive, params: tuple[tuple[str, object], ...
                     indicator = (indicators.get(factor) if name == "mul" and isinstance(factor, compat.Var)
                                  else None)
                     kind, scale = _SCALE, _Scale(src, factor, name == "div",
-                                                 eqn.params.get("out_dtype") is not None, indicator)
+                                                 eqn.params.get("out_dtype") is not None, indicator,
+                                                 tuple(sorted(origin.get(src, frozenset()))))
         kinds.append(kind)
         scales.append(scale)
     return _Program(jaxpr, tuple(consts), tuple(kinds), tuple(scales))
@@ -179,8 +187,39 @@ def as_dtype(x: ArrayLike, dtype: DTypeLike) -> jax.Array | np.ndarray:
     return np.asarray(x, dtype)
 
 
-def _apply_scale(step: _Scale, env: dict[compat.Var, object], aval: compat.ShapedArray) -> jax.Array:
+def _step_mask(step: _Scale, masks: Sequence[ArrayLike | None] | None, shape: tuple[int, ...]) -> jax.Array | None:
+    """Where the product ``step`` is masked: on every path its tangent comes from (``None``: nowhere)."""
+    if masks is None:
+        return None
+    picked = [masks[k] for k in (step.origins or range(len(masks)))]
+    if not picked or any(m is None for m in picked):
+        return None
+    m = picked[0]
+    for other in picked[1:]:
+        m = jnp.logical_and(m, other)
+    if np.shape(m) != shape:
+        try:
+            m = jnp.broadcast_to(m, shape)
+        except ValueError:
+            return None
+    return cast(jax.Array, m)
+
+
+def _apply_scale(step: _Scale, env: dict[compat.Var, object], aval: compat.ShapedArray,
+                 masks: Sequence[ArrayLike | None] | None = None) -> jax.Array:
     shape, dtype = tuple(aval.shape), aval.dtype
+    if masks is not None:  # masks found by dataflow: masked_scale, JAX's product elsewhere
+        dm = compat.read_atom(env, step.factor)
+        dm = jnp.broadcast_to(dm if step.out_dtype and _is_array(dm) else as_dtype(dm, dtype), shape)
+        um = compat.read_atom(env, step.source)
+        um = jnp.broadcast_to(um, shape) if np.shape(um) != shape else um
+        m = _step_mask(step, masks, shape)
+        if m is None:
+            prod: jax.Array = (lax.div(um, dm) if step.divide else
+                               (lax.mul(um, dm) if not step.out_dtype else
+                                lax.mul(as_dtype(um, dtype), as_dtype(dm, dtype))))
+            return prod
+        return compat.masked_scale(um, dm, m, divide=step.divide, out_dtype=dtype if step.out_dtype else None)
     d = compat.read_atom(env, step.factor)
     d = jnp.broadcast_to(d if step.out_dtype and _is_array(d) else as_dtype(d, dtype), shape)
     u = compat.read_atom(env, step.source)
@@ -198,8 +237,20 @@ def _is_array(x: object) -> bool:
 
 
 def replay(prog: _Program, primals: Sequence[ArrayLike], tangents: Sequence[ArrayLike],
-           outputs: Sequence[jax.Array] | None = None) -> list[jax.Array]:
-    """Evaluates the program with masked products; ``outputs`` stand for the primitive's own result."""
+           outputs: Sequence[jax.Array] | None = None,
+           masks: Sequence[ArrayLike | None] | None = None) -> list[jax.Array]:
+    """Evaluates the program with masked products; ``outputs`` stand for the primitive's own result.
+
+    Without ``masks``, each product is 0 where its tangent is 0 (``safe_scale``: the opt-in rules). With
+    ``masks`` (one boolean per differentiated input, found by dataflow), a product is 0 exactly where
+    the paths its tangent comes from are masked, and JAX's product elsewhere; the primal quantities of
+    the derivative are masked where every path is.
+    """
+    every: ArrayLike | None = None
+    if masks is not None and masks and all(m is not None for m in masks):
+        every = masks[0]
+        for other in masks[1:]:
+            every = jnp.logical_and(every, other)
     env: dict[compat.Var, object] = {}
     jaxpr = prog.jaxpr
     for v, c in zip(jaxpr.constvars, prog.consts):
@@ -209,11 +260,17 @@ def replay(prog: _Program, primals: Sequence[ArrayLike], tangents: Sequence[Arra
     for eqn, kind, step in zip(jaxpr.eqns, prog.kinds, prog.scales):
         if kind == _SCALE:
             assert step is not None  # every scaled equation has its scale
-            outs = [_apply_scale(step, env, walk.shaped(eqn.outvars[0].aval))]
+            outs = [_apply_scale(step, env, walk.shaped(eqn.outvars[0].aval), masks)]
         else:
             ins = [compat.read_atom(env, a) for a in eqn.invars]
             if kind == _PRIMAL and outputs is not None:
                 outs = list(outputs)
+            elif kind in (_PRIMAL, _VALUE) and masks is not None:
+                shape = tuple(walk.shaped(eqn.outvars[0].aval).shape) if len(eqn.outvars) == 1 else None
+                fits = every is not None and shape is not None and np.shape(every) == shape
+                outs = (masked_bind(eqn.primitive, eqn.params, ins, [compat.is_literal(a) for a in eqn.invars],
+                                    cast(jax.Array, every)) if fits else
+                        compat.bind_primitive(eqn.primitive, compat.match_varying(ins), dict(eqn.params)))
             elif kind in (_PRIMAL, _VALUE):
                 outs = safe_bind(eqn.primitive, eqn.params, ins, [compat.is_literal(a) for a in eqn.invars])
             else:
@@ -259,6 +316,53 @@ def safe_bind(prim: compat.Primitive, params: Mapping[str, object], inputs: Sequ
         return out, replay(prog, list(primals), [tangents[i] for i in idx], [out])[0]
 
     return [f(*inputs)]
+
+
+def masked_bind(prim: compat.Primitive, params: Mapping[str, object], inputs: Sequence[ArrayLike],
+                fixed: Sequence[bool] | None, dead: ArrayLike | Sequence[ArrayLike | None]) -> list[jax.Array]:
+    """``prim`` applied to ``inputs``, its derivative exactly 0 where dataflow found the paths masked.
+
+    ``dead``: one boolean array per input (``None`` for one with no mask: JAX's product), or one array for
+    all of them. The value is the primitive's own; the derivative is JAX's, each product by a primal
+    factor replaced by ``masked_scale`` (JAX's product where nothing is masked), at every order.
+    """
+    kw = dict(params)
+    fixed = list(fixed or [False] * len(inputs))
+    per_input = list(dead) if isinstance(dead, (list, tuple)) else [dead] * len(inputs)
+    diff = tuple(_is_inexact(x) and not c for x, c in zip(inputs, fixed))
+    inputs = compat.match_varying(inputs)
+    if prim.multiple_results or not any(diff) or walk.subprograms(kw):
+        return compat.bind_primitive(prim, inputs, kw)
+    try:
+        program(prim, kw, inputs, diff)
+    except Exception:
+        return compat.bind_primitive(prim, inputs, kw)
+    n = len(inputs)
+    try:  # an elementwise primitive: every mask in the output's shape
+        shape = tuple(np.broadcast_shapes(*(np.shape(x) for x in inputs)))
+        mask_args = [jnp.zeros(shape, bool) if m is None else jnp.broadcast_to(m, shape) for m in per_input]
+    except ValueError:
+        return compat.bind_primitive(prim, inputs, kw)
+    has_mask = [m is not None for m in per_input]
+
+    @functools.partial(jax.custom_jvp, nondiff_argnums=())
+    def f(*args: jax.Array) -> jax.Array:
+        out: jax.Array = compat.bind_primitive(prim, list(args[:n]), kw)[0]
+        return out
+
+    def f_jvp(primals: tuple[jax.Array, ...], tangents: tuple[Any, ...]) -> tuple[jax.Array, jax.Array]:
+        xs, ms = list(primals[:n]), primals[n:]
+        out = f(*primals)
+        live = tuple(d and not isinstance(t, SymbolicZero) for d, t in zip(diff, tangents[:n]))
+        if not any(live):
+            return out, lax.full_like(out, 0)
+        prog = program(prim, kw, xs, live)
+        ts = [as_dtype(t, compat.aval_of(x).dtype) for x, t, d in zip(xs, tangents[:n], live) if d]
+        masks = [ms[i] if has_mask[i] else None for i, d in enumerate(live) if d]
+        return out, replay(prog, xs, ts, [out], masks)[0]
+
+    f.defjvp(f_jvp, symbolic_zeros=True)
+    return [f(*inputs, *mask_args)]
 
 
 def _by_constant(prim: compat.Primitive, inputs: Sequence[object], fixed: Sequence[bool]) -> bool:
@@ -315,8 +419,13 @@ class SafeRuleFn(Protocol):
     def __call__(self, op: OpView, tangents: tuple[jax.Array | None, ...], /) -> object: ...
 
 
-def safe_rule(target: str) -> SafeRuleFn:
-    """The SAFE JVP rule for primitive ``target`` (usable on an op that wraps it, too)."""
+def safe_rule(target: str, masked: bool = True) -> SafeRuleFn:
+    """The SAFE JVP rule for primitive ``target`` (usable on an op that wraps it, too).
+
+    With ``masked``, the rule carries ``masked``: the binder the dispatcher uses on the primitive itself,
+    with masks found by dataflow (core/masks.py). Without, or on an op that wraps the primitive, the
+    rule masks wherever the incoming (co)tangent is 0.
+    """
     prim = compat.primitive_by_name(target)
     if prim is None:  # pragma: no cover - every SAFE target is a lax primitive
         raise GradkitError(f"internal: no JAX primitive named {target!r} for a SAFE rule.")
@@ -335,6 +444,12 @@ def safe_rule(target: str) -> SafeRuleFn:
 
     fn = cast(SafeRuleFn, rule)
     fn.keeps_jax_derivative = keeps_jax_derivative  # read by the splicer
+    if masked:
+        def bind_masked(eqn: compat.JaxprEqn, ins: Sequence[ArrayLike], dead: Sequence[ArrayLike | None]
+                        ) -> list[jax.Array]:
+            return masked_bind(eqn.primitive, eqn.params, ins, [compat.is_literal(a) for a in eqn.invars], dead)
+
+        fn.masked = bind_masked  # type: ignore[attr-defined]
     return fn
 
 
