@@ -122,7 +122,7 @@ def registry_changes(before, after):
 def test_gradkit_registers_rules_for_its_own_primitive_only():
     regs = registries()
     own = {k for reg in regs.values() for k in reg if k in compat.OWN_PRIMITIVES}
-    assert own == set(compat.OWN_PRIMITIVES) == {compat.safe_scale_p}
+    assert own == set(compat.OWN_PRIMITIVES) == {compat.safe_scale_p, compat.masked_scale_p}
     assert compat.safe_scale_p in regs["primitive_jvps"] and compat.safe_scale_p in regs["primitive_transposes"]
     assert compat.safe_scale_p in regs["primitive_batchers"] or compat.safe_scale_p in regs["plain_batchers"]
     # every other rule in those dicts belongs to JAX (or to another library, never to gradkit)
@@ -156,7 +156,7 @@ def test_plain_gradients_unchanged_by_import_and_use_in_a_fresh_process():
     assert report["gradkit_imported_before"] is False
     assert report["bits_after"] == report["bits_before"]
     assert report["registry_changes"] == [] and report["config_changes"] == []
-    assert report["own_registered"] == ["gradkit_safe_scale"]
+    assert report["own_registered"] == ["gradkit_masked_scale", "gradkit_safe_scale"]
 
 
 # The fresh-process probe: plain_functions/plain_gradient_bits are exec'd from

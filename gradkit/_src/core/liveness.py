@@ -172,8 +172,22 @@ def up_pass(jaxpr: compat.Jaxpr, values: Values | None) -> dict[compat.Var, Live
             except Unknown:
                 outs = [True] * len(eqn.outvars)
         for v, o in zip(eqn.outvars, outs):
-            up[v] = o if _inexact(v) else False
+            up[v] = _fit(o, v) if _inexact(v) else False
     return up
+
+
+def _fit(live: Live, atom: compat.Atom) -> Live:
+    """``live`` for ``atom``: an array of another shape (a rule that does not know the op's broadcasting) is
+    taken as live everywhere — JAX's answer, never a mask too many."""
+    if isinstance(live, (bool, _Dyn)):
+        return live
+    shape = _shape(atom)
+    if tuple(live.shape) == shape:
+        return live
+    try:
+        return jnp.broadcast_to(live, shape)
+    except ValueError:
+        return True
 
 
 def _up_rule(ops: _Ops, values: Values | None, eqn: compat.JaxprEqn, ins: list[Live]) -> Live:
@@ -291,7 +305,7 @@ def down_pass(jaxpr: compat.Jaxpr, values: Values | None, up: dict[compat.Var, L
     def add(atom: compat.Atom, live: Live) -> None:
         if isinstance(atom, compat.Literal) or up.get(atom, False) is False:
             return  # nothing varies there: no derivative to mask
-        down[atom] = ops.or_(down.get(atom, False), live)
+        down[atom] = ops.or_(down.get(atom, False), _fit(live, atom))
 
     for v in jaxpr.outvars:
         if not isinstance(v, compat.Literal) and _inexact(v):

@@ -180,8 +180,12 @@ def _place(jaxpr: Any, core: compat.Jaxpr, new: Any) -> Any:
         outs = call(*args)
         return [outs[k] for k in keep_idx]
 
-    closed = compat.trace_avals(jax.jit(picked), [v.aval for v in core.invars], "gradkit_safe")
+    if not keep_idx:  # every output an input or a constant: no derivative to mask
+        return jaxpr
+    with jax.disable_jit(False):  # one jit equation, also under jax.disable_jit() (as compat.trace_jit)
+        closed = compat.trace_avals(jax.jit(picked), [v.aval for v in core.invars], "gradkit_safe")
     eqn = compat.single_equation(closed)
-    assert eqn is not None
+    if eqn is None:  # pragma: no cover - a jit trace is one equation
+        return jaxpr
     placed = eqn.replace(invars=list(core.invars), outvars=[core.outvars[k] for k in keep_idx])
     return compat.replace_eqns(jaxpr, [placed])

@@ -224,9 +224,18 @@ class Splicer:
         if hit is None or hit[0].split("::")[-1] != eqn.primitive.name:
             return None
         binder = _masked_binder(hit[1])
-        if binder is not None and hit[0] not in self.matched:
+        if binder is None:
+            return None
+        if hit[0] not in self.matched:
             self.matched[hit[0]] = compat.source_line(eqn)
-        return binder
+        replacements = self.replacements
+
+        def counted(*args: Any) -> list[Any]:
+            with replacements._lock:
+                replacements.traced += 1
+            return binder(*args)
+
+        return counted
 
     def keeps_call(self, eqn: JaxprEqn) -> bool:
         """Whether a ``jit`` call stays a call (the table names it): not inlined for the masks."""

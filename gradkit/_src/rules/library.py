@@ -125,7 +125,7 @@ SAFE_FAMILY: dict[str, OpRule] = {r.op: r for r in [
     _zero_cotangent("square", "2x: 0 where the incoming (co)tangent is 0 (a norm of a zero vector: 0)"),
     _zero_cotangent("reduce_max", "a 0/1 mask over the maximal elements: 0 where the (co)tangent is 0"),
     _zero_cotangent("reduce_min", "a 0/1 mask over the minimal elements: 0 where the (co)tangent is 0"),
-    _zero_cotangent("mul", "the other operand: 0 where the incoming (co)tangent is 0 (x * log(x) at 0: 0)"),
+    _safe("mul", "the other operand: a NaN/inf value (a fully masked softmax row) on a masked path"),
     # Opt-in (no ready table ships them): a fully masked softmax row (every score -inf) is NaN in the
     # forward pass; a loss that drops it with a `where` is finite, but its gradient multiplies the NaN
     # row by its zero cotangent in `exp` and in the matrix product with V:

@@ -345,10 +345,12 @@ def masked_bind(prim: compat.Primitive, params: Mapping[str, object], inputs: Se
         return compat.bind_primitive(prim, inputs, kw)
     has_mask = [m is not None for m in per_input]
 
-    @functools.partial(jax.custom_jvp, nondiff_argnums=())
-    def f(*args: jax.Array) -> jax.Array:
+    def primal(*args: jax.Array) -> jax.Array:
         out: jax.Array = compat.bind_primitive(prim, list(args[:n]), kw)[0]
         return out
+
+    primal.__name__ = primal.__qualname__ = compat.rule_wrapper_name(prim.name)  # as the splicer names rules
+    f = jax.custom_jvp(primal)
 
     def f_jvp(primals: tuple[jax.Array, ...], tangents: tuple[Any, ...]) -> tuple[jax.Array, jax.Array]:
         xs, ms = list(primals[:n]), primals[n:]
