@@ -43,7 +43,8 @@ def test_a_constant_operand_gets_no_term():
 
     ours = gk.override(f, SAFE)
     jaxpr = jax.make_jaxpr(lambda x, t: jax.jvp(ours, (x,), (t,)))(x, t)
-    assert _count(jaxpr.jaxpr, "gradkit_safe_scale") == 1  # the product by c; none for c's absent tangent
+    # no mask reaches the product (nothing selects or zeroes it): JAX's own equation, no layer at all
+    assert _count(jaxpr.jaxpr, "gradkit_safe_scale") == 0 and _count(jaxpr.jaxpr, "gradkit_masked_scale") == 0
     got = jax.jit(lambda x, t: jax.jvp(ours, (x,), (t,))[1])(x, t)
     want = jax.jit(lambda x, t: jax.jvp(f, (x,), (t,))[1])(x, t)
     assert np.asarray(got).tobytes() == np.asarray(want).tobytes()  # the sign of each zero too
@@ -87,6 +88,6 @@ def test_safe_primal_products_by_a_constant_have_no_layer():
                         visit(inner)
 
     visit(jax.make_jaxpr(jax.grad(ours))(x).jaxpr)
-    assert ["integer_pow"] in bodies and ["mul"] not in bodies  # 2 * s is JAX's mul, not a safe custom_jvp
+    assert bodies == []  # no mask reaches integer_pow or its 2 * s: JAX's own equations, no layer
     np.testing.assert_array_equal(np.asarray(jax.jit(jax.grad(ours))(x)), np.asarray(jax.jit(jax.grad(f))(x)))
     np.testing.assert_array_equal(np.asarray(jax.jit(jax.hessian(ours))(x)), np.asarray(jax.jit(jax.hessian(f))(x)))

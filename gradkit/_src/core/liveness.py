@@ -176,14 +176,21 @@ def up_pass(jaxpr: compat.Jaxpr, values: Values | None) -> dict[compat.Var, Live
     return up
 
 
-def _fit(live: Live, atom: compat.Atom) -> Live:
-    """``live`` for ``atom``: an array of another shape (a rule that does not know the op's broadcasting) is
-    taken as live everywhere — JAX's answer, never a mask too many."""
+def _fit(live: Live, atom: compat.Atom, reduce: bool = False) -> Live:
+    """``live`` for ``atom``. An operand broadcast by its op (a rank-0 factor times a vector): up, the
+    liveness broadcast; down (``reduce``), live where any element it reaches is. Any other shape (a rule
+    that does not know the op) is live everywhere — JAX's answer, never a mask too many."""
     if isinstance(live, (bool, _Dyn)):
         return live
     shape = _shape(atom)
     if tuple(live.shape) == shape:
         return live
+    if reduce:
+        lead = live.ndim - len(shape)
+        if lead >= 0 and all(a in (1, b) for a, b in zip(shape, live.shape[lead:])):
+            axes = tuple(range(lead)) + tuple(lead + i for i, a in enumerate(shape) if a == 1 != live.shape[lead + i])
+            return jnp.reshape(jnp.any(live, axis=axes, keepdims=False), shape) if axes else live
+        return True
     try:
         return jnp.broadcast_to(live, shape)
     except ValueError:
@@ -305,7 +312,7 @@ def down_pass(jaxpr: compat.Jaxpr, values: Values | None, up: dict[compat.Var, L
     def add(atom: compat.Atom, live: Live) -> None:
         if isinstance(atom, compat.Literal) or up.get(atom, False) is False:
             return  # nothing varies there: no derivative to mask
-        down[atom] = ops.or_(down.get(atom, False), _fit(live, atom))
+        down[atom] = ops.or_(down.get(atom, False), _fit(live, atom, reduce=True))
 
     for v in jaxpr.outvars:
         if not isinstance(v, compat.Literal) and _inexact(v):

@@ -60,8 +60,11 @@ def rewrite(jaxpr: Any, match: Match, keep: Keep, names: frozenset[str], outer: 
     binders = {i: b for i, eqn in enumerate(fj.eqns) if (b := match(eqn, outer)) is not None}
     up_s = liveness.up_pass(fj, None)
     down_s = liveness.down_pass(fj, None, up_s)
+    # Reached by a mask: dead somewhere (statically everywhere, as behind a product by a literal 0, or
+    # where runtime values say) on an input some varying path reaches; elsewhere JAX's equation stays.
     reached = {i: b for i, b in binders.items()
-               if any(d is liveness.DYN for d in liveness.dead(fj.eqns[i], up_s, down_s, True))}
+               if any(d is not False and not isinstance(a, compat.Literal) and up_s.get(a, False) is not False
+                      for a, d in zip(fj.eqns[i].invars, liveness.dead(fj.eqns[i], up_s, down_s, True)))}
     if not reached:
         return _place(jaxpr, core, flat) if changed[0] else jaxpr
 
