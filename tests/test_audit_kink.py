@@ -47,6 +47,20 @@ def test_safe_norm_at_zero_is_verified_as_a_subgradient():
     assert "no gradkit route fixes this gradient" not in text
 
 
+def test_a_smooth_point_whose_gradient_vanishes_is_one_gradient_not_a_kink():
+    """|x|^2 written as norm(x) ** 2 at 0: JAX's gradient is NaN (0 * inf), SAFE keeps it (a value zero, not
+    a mask); the audit proposes the stable norm and verifies its 0 as *the* gradient (the nearby gradients
+    vanish with the step: their limit is 0), not as a subgradient of a kink."""
+    x = np.zeros(3, F32)
+    f = lambda x: jnp.linalg.norm(x) ** 2
+    assert not np.all(np.isfinite(jax.grad(gk.override(f, gk.tables.SAFE))(x)))
+    r = gk.audit(f, x)
+    fix = r.findings[0].fix
+    assert fix.verified and fix.name == "gradkit.stable.safe_norm", str(r)
+    assert fix.kink == "gradient" and fix.kink_ok, str(r)
+    np.testing.assert_array_equal(np.asarray(jax.grad(lambda x: gk.stable.safe_norm(x) ** 2)(x)), np.zeros(3))
+
+
 def test_the_verification_takes_points_of_the_hull_and_rejects_others():
     ref = _reference(jnp.linalg.norm, np.zeros(3, F32))
     inside = ref.compare([np.array([0.3, -0.2, 0.1], F32)])  # |c| = 0.37: in the unit ball

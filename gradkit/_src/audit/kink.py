@@ -18,11 +18,14 @@ gradient is not finite but the value is, float64 central differences) at
 * a point whose value is not finite is outside the function's domain: it and
   its direction are dropped.
 
-Along each direction the gradient at the two steps must agree within
+Along each direction the gradient at the two steps agrees within
 :data:`RAY_RTOL` (the pieces of a piecewise smooth function are cones at
-the kink): a gradient that grows as the step shrinks — a pole, a square root
-or log singularity, where no generalized gradient exists — leaves the point
-undecided (``None``: the elements stay left out, as before).
+the kink), or changes without growing (a smooth point where the gradient is
+small: ``|x|^2`` at 0), where its limit along the ray is extrapolated
+linearly to ``h = 0``; a gradient that grows as the step shrinks — a pole,
+a square root or log singularity, where no generalized gradient exists —
+leaves the point undecided (``None``: the elements stay left out, as
+before).
 
 :meth:`Nearby.judge` then decides a candidate ``c`` (the fix's gradient on
 ``S``): where the nearby gradients agree (every one within
@@ -82,6 +85,8 @@ class Nearby:
 
     elements: tuple[tuple[int, int], ...]
     grads: np.ndarray
+    # the largest norm of the gradients measured at the nearby points (before any limit was extrapolated)
+    measured: float = 0.0
 
     def judge(self, grads: Sequence[np.ndarray], rtol: float, floor: float) -> Verdict:
         """The candidate ``grads`` (one per input) on :attr:`elements`, against the nearby gradients."""
@@ -90,7 +95,9 @@ class Nearby:
         scale = float(np.max(np.linalg.norm(g, axis=1)))
         mean = g.mean(axis=0)
         n, m = len(self.elements), len(g)
-        if float(np.max(np.linalg.norm(g - mean, axis=1))) <= AGREE_RTOL * scale + 1e-300:
+        # one gradient: the nearby ones agree relative to their size, or to the size of those measured (a
+        # smooth point where the gradient is 0, |x|^2 at 0: the limits are 0 up to rounding)
+        if float(np.max(np.linalg.norm(g - mean, axis=1))) <= AGREE_RTOL * max(scale, self.measured) + 1e-300:
             with np.errstate(invalid="ignore", over="ignore"):
                 err = float(np.linalg.norm(c - mean))
                 room = max(float(np.linalg.norm(mean)), floor, np.finfo(np.float64).tiny)
@@ -227,9 +234,17 @@ def nearby(prog64: Program, dyn64: Sequence[jax.Array], elements: Sequence[tuple
     norms = np.linalg.norm(g, axis=2)
     with np.errstate(invalid="ignore", over="ignore"):
         spread = np.linalg.norm(g[0] - g[-1], axis=1)
-        if not np.all(spread <= RAY_RTOL * np.maximum(norms[0], norms[-1]) + 1e-12 * (1.0 + np.max(norms))):
-            return None  # the gradient changes along a direction: a singularity, not a kink
-    return Nearby(elements, g.reshape(-1, n))
+        floor = 1e-12 * (1.0 + np.max(norms))
+        same = spread <= RAY_RTOL * np.maximum(norms[0], norms[-1]) + floor
+        # A gradient that grows as the step shrinks: a pole, a square root or log singularity — no
+        # generalized gradient. One that changes but does not grow converges (a smooth point whose
+        # gradient is small there: |x|^2 at 0): its limit along the ray, extrapolated linearly to h = 0.
+        grows = norms[0] > (1.0 + RAY_RTOL) * norms[-1] + floor
+        if not np.all(np.isfinite(norms)) or np.any(~same & grows):
+            return None
+    limit = np.where(same[:, None], g[0], g[0] + (g[0] - g[-1]) * (STEPS[0] / (STEPS[-1] - STEPS[0])))
+    return Nearby(elements, np.concatenate([g.reshape(-1, n), limit]) if np.all(same) else limit,
+                  float(np.max(norms)))
 
 
 def _differences(run: object, points: np.ndarray, f0: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
