@@ -108,11 +108,11 @@ from gradkit._src.compat.layers import (
 )
 from gradkit._src.compat.primitive import (
     OWN_PRIMITIVES,
+    masked_scale,
+    masked_scale_p,
     match_varying,
     safe_scale,
     safe_scale_p,
-    masked_scale,
-    masked_scale_p,
 )
 from gradkit._src.compat.source import (
     call_site,

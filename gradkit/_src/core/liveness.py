@@ -33,7 +33,7 @@ Everything not known here is live (conservative: JAX's answer, NaN included).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Union
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +52,7 @@ class _Dyn:
 
 
 DYN = _Dyn()
-Live = Union[bool, _Dyn, jax.Array]
+Live = bool | _Dyn | jax.Array
 
 # Elementwise primitives: each output element depends on the same element of each operand.
 ELEMENTWISE = frozenset({
@@ -61,7 +61,7 @@ ELEMENTWISE = frozenset({
     "igamma", "igammac", "igamma_grad_a", "random_gamma_grad", "bessel_i0e", "bessel_i1e", "erf", "erfc",
     "erf_inv", "sqrt", "rsqrt", "cbrt", "abs", "integer_pow", "pow", "add", "sub", "div", "rem", "atan2",
     "nextafter", "square", "real", "imag", "conj", "complex", "polygamma", "zeta", "regularized_incomplete_beta",
-    "convert_element_type", "reduce_precision", "copy", "copy_p", "add_any", "tan", "mul", "max", "min",
+    "convert_element_type", "reduce_precision", "copy", "copy_p", "add_any", "mul", "max", "min",
     "select_n", "clamp",
 })
 # Linear structural primitives: liveness moves as the values do (the primitive itself, and its transpose).
@@ -95,7 +95,7 @@ class _Ops:
             return b
         if b is False:
             return a
-        if a is DYN or b is DYN:
+        if isinstance(a, _Dyn) or isinstance(b, _Dyn):
             return DYN
         return jnp.logical_or(a, b)
 
@@ -106,7 +106,7 @@ class _Ops:
             return b
         if b is True:
             return a
-        if a is DYN or b is DYN:
+        if isinstance(a, _Dyn) or isinstance(b, _Dyn):
             return DYN
         return jnp.logical_and(a, b)
 
@@ -213,9 +213,11 @@ def _up_rule(ops: _Ops, values: Values | None, eqn: compat.JaxprEqn, ins: list[L
         return ops.or_(ops.and_(ins[0], _nonzero(ops, values, ins[1], a[1])),
                        ops.and_(ins[1], _nonzero(ops, values, ins[0], a[0])))
     if name in ("max", "min"):
-        return _chosen(ops, values, name, a, ins, _shape(out), up=True)
+        chosen: Live = _chosen(ops, values, name, a, ins, _shape(out), up=True)
+        return chosen
     if name == "clamp":
-        return _clamp(ops, values, a, ins, _shape(out), None)
+        clamped: Live = _clamp(ops, values, a, ins, _shape(out), None)
+        return clamped
     if name == "dot_general":
         return _dot_up(ops, values, eqn, ins)
     if name in ("reduce_max", "reduce_min"):
@@ -300,8 +302,8 @@ def _reduce_chosen_up(ops: _Ops, values: Values | None, eqn: compat.JaxprEqn, li
 
 def _apply_structural(ops: _Ops, values: Values | None, eqn: compat.JaxprEqn, ins: list[Live]) -> jax.Array:
     args = [_as_f32(ops, x, atom) if _inexact(atom) else _value(values, atom) for x, atom in zip(ins, eqn.invars)]
-    out = compat.bind_primitive(eqn.primitive, args, dict(eqn.params))
-    return out[0] > 0
+    out: jax.Array = compat.bind_primitive(eqn.primitive, args, dict(eqn.params))[0]
+    return out > 0
 
 
 def down_pass(jaxpr: compat.Jaxpr, values: Values | None, up: dict[compat.Var, Live]) -> dict[compat.Var, Live]:
@@ -412,7 +414,8 @@ def _transpose_structural(ops: _Ops, values: Values | None, eqn: compat.JaxprEqn
         it = iter(xs)
         for i in range(len(eqn.invars)):
             args.append(next(it) if i in idx else fixed[i])
-        return compat.bind_primitive(eqn.primitive, args, dict(eqn.params))[0]
+        y: jax.Array = compat.bind_primitive(eqn.primitive, args, dict(eqn.params))[0]
+        return y
 
     structs = [jax.ShapeDtypeStruct(_shape(eqn.invars[i]), jnp.float32) for i in idx]
     d_f = ops.array(d, _shape(eqn.outvars[0])).astype(jnp.float32)

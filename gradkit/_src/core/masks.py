@@ -24,8 +24,9 @@ same inputs and outputs, so its kind (open or closed) and its place stay.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 
@@ -113,7 +114,7 @@ class _Values:
         if atom in self._env:
             return self._env[atom]
         need: set[int] = set()
-        stack = [atom]
+        stack: list[Any] = [atom]
         while stack:
             v = stack.pop()
             if isinstance(v, compat.Literal) or v in self._env:
@@ -149,13 +150,17 @@ def _inline(core: compat.Jaxpr, consts: Sequence[Any], args: Sequence[Any], keep
             else:
                 if walk.enters(eqn) and walk.has_subprograms(eqn):
                     with compat.body_context(eqn), compat.call_site(eqn):
-                        params = walk.map_subprograms(eqn.params, lambda p, e=eqn: sub(p, e))
+                        params = walk.map_subprograms(eqn.params, functools.partial(_sub_of, sub, eqn))
                     if params is not None:
                         eqn = eqn.replace(params=params)
                 outs = compat.bind(eqn, ins)
         for v, o in zip(eqn.outvars, outs):
             env[v] = o
     return [compat.read_atom(env, a) for a in core.outvars]
+
+
+def _sub_of(sub: Callable[[Any, compat.JaxprEqn], Any], eqn: compat.JaxprEqn, program: Any) -> Any:
+    return sub(program, eqn)
 
 
 def _place(jaxpr: Any, core: compat.Jaxpr, new: Any) -> Any:
@@ -190,5 +195,5 @@ def _place(jaxpr: Any, core: compat.Jaxpr, new: Any) -> Any:
     eqn = compat.single_equation(closed)
     if eqn is None:  # pragma: no cover - a jit trace is one equation
         return jaxpr
-    placed = eqn.replace(invars=list(core.invars), outvars=[core.outvars[k] for k in keep_idx])
+    placed = eqn.replace(invars=list(core.invars), outvars=[cast(compat.Var, core.outvars[k]) for k in keep_idx])
     return compat.replace_eqns(jaxpr, [placed])

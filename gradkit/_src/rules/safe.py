@@ -194,15 +194,15 @@ def _step_mask(step: _Scale, masks: Sequence[ArrayLike | None] | None, shape: tu
     picked = [masks[k] for k in (step.origins or range(len(masks)))]
     if not picked or any(m is None for m in picked):
         return None
-    m = picked[0]
+    m = cast(jax.Array, picked[0])
     for other in picked[1:]:
-        m = jnp.logical_and(m, other)
+        m = jnp.logical_and(m, cast(jax.Array, other))
     if np.shape(m) != shape:
         try:
             m = jnp.broadcast_to(m, shape)
         except ValueError:
             return None
-    return cast(jax.Array, m)
+    return m
 
 
 def _apply_scale(step: _Scale, env: dict[compat.Var, object], aval: compat.ShapedArray,
@@ -248,9 +248,9 @@ def replay(prog: _Program, primals: Sequence[ArrayLike], tangents: Sequence[Arra
     """
     every: ArrayLike | None = None
     if masks is not None and masks and all(m is not None for m in masks):
-        every = masks[0]
+        every = cast(jax.Array, masks[0])
         for other in masks[1:]:
-            every = jnp.logical_and(every, other)
+            every = jnp.logical_and(every, cast(jax.Array, other))
     env: dict[compat.Var, object] = {}
     jaxpr = prog.jaxpr
     for v, c in zip(jaxpr.constvars, prog.consts):
@@ -340,7 +340,8 @@ def masked_bind(prim: compat.Primitive, params: Mapping[str, object], inputs: Se
     n = len(inputs)
     try:  # an elementwise primitive: every mask in the output's shape
         shape = tuple(np.broadcast_shapes(*(np.shape(x) for x in inputs)))
-        mask_args = [jnp.zeros(shape, bool) if m is None else jnp.broadcast_to(m, shape) for m in per_input]
+        mask_args = [jnp.zeros(shape, bool) if m is None else jnp.broadcast_to(cast(jax.Array, m), shape)
+                     for m in per_input]
     except ValueError:
         return compat.bind_primitive(prim, inputs, kw)
     has_mask = [m is not None for m in per_input]
