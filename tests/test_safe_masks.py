@@ -70,7 +70,7 @@ def _bits(a):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-@settings(max_examples=6, **SETTINGS)
+@settings(max_examples=4, **SETTINGS)
 @given(prog=programs(3), vals=st.lists(st.sampled_from([0.0, 0.25, 1.0, -0.5, 2.0]), min_size=N, max_size=N))
 def test_no_mask_is_jax_bit_for_bit(dtype, prog, vals):
     with jax.enable_x64(dtype == "float64"):
@@ -94,7 +94,7 @@ MASKS = {
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("mask", sorted(MASKS))
-@settings(max_examples=3, **SETTINGS)
+@settings(max_examples=2, **SETTINGS)
 @given(prog=programs(2), vals=st.lists(st.sampled_from([0.0, -1.0, 0.5, 2.0]), min_size=N, max_size=N))
 def test_a_masked_path_is_zero_in_every_mode(dtype, mask, prog, vals):
     guard, masked = MASKS[mask]
@@ -150,3 +150,24 @@ def test_never_a_plausible_wrong_number(zero, steep):
                 h = 1e-9
                 one_sided = (float(f(jnp.full(1, h, jnp.float64))) - float(f(jnp.zeros(1, jnp.float64)))) / h
             assert got[0] == pytest.approx(one_sided, rel=1e-3, abs=1e-3), (got, one_sided)
+
+
+# --------------------------------------------------------------------------- the long versions (CI's slow set)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@settings(max_examples=30, **SETTINGS)
+@given(prog=programs(4), vals=st.lists(st.sampled_from([0.0, 0.25, 1.0, -0.5, 2.0, -1.0, 4.0]), min_size=N,
+                                       max_size=N))
+def test_no_mask_is_jax_bit_for_bit_long(dtype, prog, vals):
+    test_no_mask_is_jax_bit_for_bit.hypothesis.inner_test(dtype, prog, vals)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("mask", sorted(MASKS))
+@settings(max_examples=12, **SETTINGS)
+@given(prog=programs(3), vals=st.lists(st.sampled_from([0.0, -1.0, 0.5, 2.0, 1.0, -0.25]), min_size=N, max_size=N))
+def test_a_masked_path_is_zero_in_every_mode_long(dtype, mask, prog, vals):
+    test_a_masked_path_is_zero_in_every_mode.hypothesis.inner_test(dtype, mask, prog, vals)
