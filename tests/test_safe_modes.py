@@ -221,6 +221,8 @@ REPORTED = {
     "sqrt times a literal zero": (lambda x: jnp.sum(jnp.sqrt(x) * jnp.array([0.0, 1.0])), [0.0, 4.0], [0.0, 0.25]),
     "sqrt in a contraction with a constant zero": (lambda x: jnp.array([0.0, 1.0]) @ jnp.sqrt(x), [0.0, 4.0],
                                                    [0.0, 0.25]),
+    "sqrt in a product with a constant zero": (lambda x: jnp.prod(jnp.stack([jnp.sqrt(x[0]), jnp.zeros(())]))
+                                               + x[1], [0.0, 4.0], [0.0, 1.0]),
     "sqrt times a mask": (lambda x: jnp.sum(jnp.sqrt(x) * (x > 0).astype(x.dtype)), [0.0, 4.0], [0.0, 0.25]),
     "x log x under where": (lambda x: jnp.sum(jnp.where(x > 0, x * jnp.log(x), 0.0)), [0.0, 1.0], [0.0, 1.0]),
 }

@@ -68,7 +68,7 @@ ELEMENTWISE = frozenset({
 STRUCTURAL = frozenset({
     "reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "slice", "dynamic_slice",
     "dynamic_update_slice", "pad", "concatenate", "gather", "rev", "reduce_sum", "cumsum", "scatter-add",
-    "scatter_add", "select_and_gather_add", "split",
+    "scatter_add", "select_and_gather_add", "split", "stack",
 })
 # Primitives whose outputs carry no derivative.
 _NO_DERIVATIVE = frozenset({"stop_gradient"})
@@ -224,6 +224,11 @@ def _up_rule(ops: _Ops, values: Values | None, eqn: compat.JaxprEqn, ins: list[L
         if ins[0] is True:
             return True
         return ops.runtime(lambda: _reduce_chosen_up(ops, values, eqn, ins[0]))
+    if name == "reduce_prod":
+        if ins[0] is True:
+            return True
+        return ops.runtime(lambda: jnp.any(_prod_live(ops, values, eqn, ins[0], True),
+                                           axis=tuple(eqn.params["axes"])))
     if name in ELEMENTWISE:
         live: Live = False
         for x, atom in zip(ins, a):
@@ -239,7 +244,7 @@ def _up_rule(ops: _Ops, values: Values | None, eqn: compat.JaxprEqn, ins: list[L
 
 # Structural primitives under which an all-live input stays all-live.
 _ONTO = frozenset({"reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "rev", "reduce_sum",
-                   "cumsum", "slice", "dynamic_slice", "gather", "concatenate", "split"})
+                   "cumsum", "slice", "dynamic_slice", "gather", "concatenate", "split", "stack"})
 
 
 def _chosen(ops: _Ops, values: Values | None, name: str, a: Sequence[compat.Atom], live: list[Live],
@@ -298,6 +303,17 @@ def _reduce_chosen_up(ops: _Ops, values: Values | None, eqn: compat.JaxprEqn, li
     axes = tuple(eqn.params["axes"])
     at = x == jnp.expand_dims(out, axes)
     return jnp.any(ops.and_(ops.array(live, x.shape), at), axis=axes)  # type: ignore[arg-type]
+
+
+def _prod_live(ops: _Ops, values: Values | None, eqn: compat.JaxprEqn, live: Live, up: bool) -> jax.Array:
+    """``reduce_prod``: per element, whether its term is not multiplied by a constant zero of its group (and,
+    up, whether a live path reaches it): the product of the others is then not identically 0."""
+    x = eqn.invars[0]
+    axes = tuple(eqn.params["axes"])
+    zero = ~ops.array(_nonzero(ops, values, live, x), _shape(x))  # constant zeros
+    others = jnp.sum(zero, axis=axes, keepdims=True) - zero  # constant zeros among the other terms
+    free = others == 0
+    return free & ops.array(live, _shape(x)) if up else free
 
 
 def _apply_structural(ops: _Ops, values: Values | None, eqn: compat.JaxprEqn, ins: list[Live]) -> jax.Array:
@@ -370,6 +386,14 @@ def _down_rule(ops: _Ops, values: Values | None, eqn: compat.JaxprEqn, ins: list
         axes = tuple(eqn.params["axes"])
         spread = jnp.broadcast_to(jnp.expand_dims(ops.array(d, shape), axes), x.shape)
         return [spread & (x == jnp.expand_dims(out, axes))]
+    if name == "reduce_prod":
+        if ins[0] is True and d is True:
+            return [True]
+        if ops.static:
+            return [DYN]
+        axes = tuple(eqn.params["axes"])
+        spread = jnp.broadcast_to(jnp.expand_dims(ops.array(d, shape), axes), _shape(a[0]))
+        return [spread & _prod_live(ops, values, eqn, ins[0], False)]
     if name in ELEMENTWISE:
         return [d if _inexact(atom) else False for atom in a]
     if name in STRUCTURAL:
@@ -383,7 +407,7 @@ def _down_rule(ops: _Ops, values: Values | None, eqn: compat.JaxprEqn, ins: list
 
 # Structural primitives whose transpose takes an all-live cotangent to all-live operands.
 _ONTO_BACK = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "rev", "broadcast_in_dim", "reduce_sum",
-                        "cumsum", "concatenate", "split"})
+                        "cumsum", "concatenate", "split", "stack"})
 
 
 def _dot_down(ops: _Ops, values: Values | None, eqn: compat.JaxprEqn, ins: list[Live], d: Live) -> list[Live]:
