@@ -310,7 +310,7 @@ def _prod_live(ops: _Ops, values: Values | None, eqn: compat.JaxprEqn, live: Liv
     up, whether a live path reaches it): the product of the others is then not identically 0."""
     x = eqn.invars[0]
     axes = tuple(eqn.params["axes"])
-    zero = ~ops.array(_nonzero(ops, values, live, x), _shape(x))  # constant zeros
+    zero = (~ops.array(_nonzero(ops, values, live, x), _shape(x))).astype(jnp.int32)  # constant zeros
     others = jnp.sum(zero, axis=axes, keepdims=True) - zero  # constant zeros among the other terms
     free = others == 0
     return free & ops.array(live, _shape(x)) if up else free

@@ -71,16 +71,18 @@ def rewrite(jaxpr: Any, match: Match, keep: Keep, names: frozenset[str], outer: 
 
     def masked_fn(*args: Any) -> list[Any]:
         values = _Values(fj, fc, args)
-        up = liveness.up_pass(fj, values)
-        down = liveness.down_pass(fj, values, up)
+        with jax.numpy_dtype_promotion("standard"):  # gradkit's own arithmetic, whatever the user's setting
+            up = liveness.up_pass(fj, values)
+            down = liveness.down_pass(fj, values, up)
         env: dict[Any, Any] = dict(zip(fj.constvars, fc))
         env.update(zip(fj.invars, args))
         for i, eqn in enumerate(fj.eqns):
             ins = [compat.read_atom(env, a) for a in eqn.invars]
             with compat.source_of(eqn):
                 if i in reached:
-                    dead = [d if not isinstance(d, bool) else (None if not d else True)
-                            for d in liveness.dead(eqn, up, down, False)]
+                    with jax.numpy_dtype_promotion("standard"):
+                        dead = [d if not isinstance(d, bool) else (None if not d else True)
+                                for d in liveness.dead(eqn, up, down, False)]
                     outs = reached[i](eqn, ins, [_as_mask(d, x) for d, x in zip(dead, ins)])
                 else:
                     outs = compat.bind(eqn, ins)
