@@ -128,7 +128,7 @@ class Fix:
         ``gk.override(fn, <with_table>)`` to the rewritten function.
       rewritten: a code fix's source line (at ``location``) as it reads with the fix applied.
       kink: where finite differences were undefined at elements of the finding and the float64 gradients at
-        nearby points decided instead (:mod:`gradkit._src.audit.kink`): ``"subgradient"`` (they differ, the
+        nearby points decided instead (``gradkit._src.audit.kink``): ``"subgradient"`` (they differ, the
         function has a kink there: the gradient must lie in their convex hull) or ``"gradient"`` (they
         agree: it must equal them); ``kink_ok`` whether it did, on ``kink_elements`` elements from
         ``kink_points`` nearby gradients, ``kink_err`` the distance to the hull over the largest of them

@@ -27,7 +27,7 @@ whose difference is unusable at the usual step ``1e-6 max(1, |x|)`` and whose
 value is much smaller than that step is tried again at ``1e-3 |x|`` (``x =
 1e-8`` next to a singularity at 0). Where the differences stay undefined at
 elements of the finding (a kink: a norm at 0), :meth:`Reference.nearby`
-and :mod:`gradkit._src.audit.kink` decide from the float64 gradients at
+and ``gradkit._src.audit.kink`` decide from the float64 gradients at
 nearby points instead (``FDResult.kink``).
 
 :func:`value_check` says whether the forward value is unchanged by a fix.
@@ -73,7 +73,7 @@ class FDResult:
         non-finite value).
       note: why nothing was compared.
       kink: where finite differences were undefined at elements of the finding, the verdict of the
-        generalized-gradient reference there (:mod:`gradkit._src.audit.kink`; those elements then are not
+        generalized-gradient reference there (``gradkit._src.audit.kink``; those elements then are not
         counted in ``excluded``); ``None``: not used, or undecided (a pole).
     """
 
