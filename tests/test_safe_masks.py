@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, assume, given, settings
 from hypothesis import strategies as st
 
 import gradkit as gk
@@ -88,7 +88,7 @@ MASKS = {
     "where_both_sides": (lambda g, x: jnp.where(x > 0, g(jnp.where(x > 0, x, 0.0)), 0.0), lambda x: x <= 0),
     "maximum": (lambda g, x: jnp.maximum(jnp.where(x > 0, g(x), -1e30), 1.0), lambda x: x <= 0),
     "bool_mask": (lambda g, x: g(x) * (x > 0).astype(x.dtype), lambda x: x <= 0),
-    "upstream": (lambda g, x: g(jnp.where(x > 0, x, 0.0)) * 0.0 + jnp.where(x > 0, x, 0.0), lambda x: x <= 0),
+    "upstream": (lambda g, x: jnp.where(x > 0, g(jnp.where(x > 0, x, 1.0)), 0.0), lambda x: x <= 0),
 }
 
 
@@ -104,6 +104,8 @@ def test_a_masked_path_is_zero_in_every_mode(dtype, mask, prog, vals):
         f = lambda x: jnp.sum(guard(g, x))
         x = jnp.asarray(vals, dtype)
         ours = gk.override(f, SAFE)
+        # a NaN value is not a mask's business: only programs whose value is finite
+        assume(bool(np.isfinite(jax.jit(f)(x))))
         dead = np.asarray(masked(np.asarray(vals)))
         firsts = {n: np.asarray(jax.jit(MODES[n](ours))(x)) for n in ("grad", "jacfwd", "jacrev")}
         plain = np.asarray(jax.jit(jax.grad(f))(x))
@@ -117,7 +119,8 @@ def test_a_masked_path_is_zero_in_every_mode(dtype, mask, prog, vals):
         grad_finite = bool(np.all(np.isfinite(firsts["grad"])))
         assert grad_finite == bool(np.all(np.isfinite(firsts["jacfwd"]))), firsts
         if grad_finite:
-            np.testing.assert_allclose(firsts["jacfwd"], firsts["grad"], rtol=1e-6, atol=0)
+            scale = float(np.max(np.abs(firsts["grad"]), initial=1.0))
+            np.testing.assert_allclose(firsts["jacfwd"], firsts["grad"], rtol=1e-6, atol=1e-12 * scale)
             hs = [np.asarray(jax.jit(h)(x)) for h in (jax.hessian(ours), jax.jacfwd(jax.jacrev(ours)),
                                                       jax.jacrev(jax.jacfwd(ours)), jax.jacrev(jax.jacrev(ours)))]
             fin = [bool(np.all(np.isfinite(h))) for h in hs]

@@ -83,10 +83,15 @@ def _shape(atom: compat.Atom) -> tuple[int, ...]:
 
 
 class _Ops:
-    """Boolean algebra on liveness values; static mode turns anything runtime into :data:`DYN`."""
+    """Boolean algebra on liveness values; static mode turns anything runtime into :data:`DYN`.
 
-    def __init__(self, static: bool) -> None:
+    ``nonzero_constant(atom)``: whether the program computes ``atom`` from literals alone, every element
+    finite and nonzero (the seed of a ``jax.grad`` inside the program): a factor that masks nothing.
+    """
+
+    def __init__(self, static: bool, nonzero_constant: Callable[[compat.Atom], bool] | None = None) -> None:
         self.static = static
+        self.nonzero_constant = nonzero_constant or (lambda atom: False)
 
     def or_(self, a: Live, b: Live) -> Live:
         if a is True or b is True:
@@ -97,6 +102,8 @@ class _Ops:
             return a
         if isinstance(a, _Dyn) or isinstance(b, _Dyn):
             return DYN
+        if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):  # static, known at trace time
+            return _norm(np.logical_or(a, b))
         return jnp.logical_or(a, b)
 
     def and_(self, a: Live, b: Live) -> Live:
@@ -108,16 +115,48 @@ class _Ops:
             return a
         if isinstance(a, _Dyn) or isinstance(b, _Dyn):
             return DYN
+        if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+            return _norm(np.logical_and(a, b))
         return jnp.logical_and(a, b)
 
     def array(self, a: Live, shape: tuple[int, ...]) -> jax.Array:
         if isinstance(a, bool):
             return jnp.full(shape, a)
         assert not isinstance(a, _Dyn)
+        if isinstance(a, np.ndarray):
+            return jnp.asarray(np.broadcast_to(a, shape))
         return jnp.broadcast_to(a, shape)
 
     def runtime(self, fn: Callable[[], jax.Array]) -> Live:
         return DYN if self.static else fn()
+
+
+def _norm(x: np.ndarray) -> Live:
+    """A liveness known at trace time: ``True``/``False`` where it is uniform, else the array."""
+    if bool(np.all(x)):
+        return True
+    if not bool(np.any(x)):
+        return False
+    return x
+
+
+def _static_structural(eqn: compat.JaxprEqn, live: Sequence[Live], d: Live | None) -> Live | list[Live]:
+    """A structural op's liveness at trace time (its pattern depends on shapes and params only): up when
+    ``d`` is ``None``, else down (one per input). :data:`DYN` where an operand that is not carried (an index)
+    is not a literal, or a liveness is not known."""
+    if any(isinstance(x, _Dyn) for x in live) or isinstance(d, _Dyn) or any(
+            not _inexact(a) and not isinstance(a, compat.Literal) for a in eqn.invars):
+        return DYN if d is None else [DYN if _inexact(a) else False for a in eqn.invars]
+
+    def literal(atom: compat.Atom) -> Any:
+        return atom.val
+
+    ops = _Ops(False)
+    with jax.ensure_compile_time_eval():
+        if d is None:
+            return _norm(np.asarray(_apply_structural(ops, literal, eqn, list(live))))
+        outs = _transpose_structural(ops, literal, eqn, d)
+        return [_norm(np.asarray(x)) if not isinstance(x, bool) else x for x in outs]
 
 
 class Unknown(Exception):
@@ -138,6 +177,8 @@ def _nonzero(ops: _Ops, values: Values | None, up: Live, atom: compat.Atom) -> L
     """Where the factor ``atom`` is not a masking zero: it varies (``up``) or it is not 0."""
     if up is True:
         return True
+    if not isinstance(atom, compat.Literal) and ops.nonzero_constant(atom):
+        return True
     if isinstance(atom, compat.Literal):
         v = np.asarray(atom.val)
         nz = bool(np.all(v != 0))
@@ -148,9 +189,10 @@ def _nonzero(ops: _Ops, values: Values | None, up: Live, atom: compat.Atom) -> L
     return ops.or_(up, jnp.asarray(_value(values, atom)) != 0)
 
 
-def up_pass(jaxpr: compat.Jaxpr, values: Values | None) -> dict[compat.Var, Live]:
+def up_pass(jaxpr: compat.Jaxpr, values: Values | None,
+            nonzero_constant: Callable[[compat.Atom], bool] | None = None) -> dict[compat.Var, Live]:
     """For each variable: where some unmasked path from the program's inputs reaches it."""
-    ops = _Ops(values is None)
+    ops = _Ops(values is None, nonzero_constant)
     up: dict[compat.Var, Live] = {}
     for v in jaxpr.invars:
         up[v] = _inexact(v)
@@ -185,6 +227,15 @@ def _fit(live: Live, atom: compat.Atom, reduce: bool = False) -> Live:
     shape = _shape(atom)
     if tuple(live.shape) == shape:
         return live
+    if isinstance(live, np.ndarray):  # known at trace time: NumPy (jnp would stage it into the trace)
+        lead = live.ndim - len(shape)
+        if reduce and lead >= 0 and all(a in (1, b) for a, b in zip(shape, live.shape[lead:])):
+            axes = tuple(range(lead)) + tuple(lead + i for i, a in enumerate(shape) if a == 1 != live.shape[lead + i])
+            return _norm(np.reshape(np.any(live, axis=axes), shape))
+        try:
+            return _norm(np.broadcast_to(live, shape).copy()) if not reduce else True
+        except ValueError:
+            return True
     if reduce:
         lead = live.ndim - len(shape)
         if lead >= 0 and all(a in (1, b) for a, b in zip(shape, live.shape[lead:])):
@@ -238,7 +289,11 @@ def _up_rule(ops: _Ops, values: Values | None, eqn: compat.JaxprEqn, ins: list[L
     if name in STRUCTURAL:
         if all(x is True or not _inexact(atom) for x, atom in zip(ins, a)) and name in _ONTO:
             return True
-        return ops.runtime(lambda: _apply_structural(ops, values, eqn, ins))
+        if ops.static:
+            static = _static_structural(eqn, ins, None)
+            assert not isinstance(static, list)
+            return static
+        return _apply_structural(ops, values, eqn, ins)
     return True  # not known here: live
 
 
@@ -254,8 +309,9 @@ def _chosen(ops: _Ops, values: Values | None, name: str, a: Sequence[compat.Atom
         return DYN if up else [DYN if live_i is not False else False for live_i in live]
 
     def side(i: int) -> jax.Array:
+        # taken unless the other side wins outright: both at a tie, and both where a value is NaN (no claim)
         x, y = (jnp.asarray(_value(values, a[j])) for j in (i, 1 - i))
-        return jnp.broadcast_to((x >= y) if name == "max" else (x <= y), shape)
+        return jnp.broadcast_to(~(x < y) if name == "max" else ~(x > y), shape)
 
     if up:
         return ops.or_(ops.and_(live[0], side(0)), ops.and_(live[1], side(1)))
@@ -322,9 +378,10 @@ def _apply_structural(ops: _Ops, values: Values | None, eqn: compat.JaxprEqn, in
     return out > 0
 
 
-def down_pass(jaxpr: compat.Jaxpr, values: Values | None, up: dict[compat.Var, Live]) -> dict[compat.Var, Live]:
+def down_pass(jaxpr: compat.Jaxpr, values: Values | None, up: dict[compat.Var, Live],
+              nonzero_constant: Callable[[compat.Atom], bool] | None = None) -> dict[compat.Var, Live]:
     """For each variable: where some unmasked path from it reaches the program's outputs."""
-    ops = _Ops(values is None)
+    ops = _Ops(values is None, nonzero_constant)
     down: dict[compat.Var, Live] = {}
 
     def add(atom: compat.Atom, live: Live) -> None:
@@ -400,7 +457,9 @@ def _down_rule(ops: _Ops, values: Values | None, eqn: compat.JaxprEqn, ins: list
         if d is True and name in _ONTO_BACK:
             return [True if _inexact(atom) else False for atom in a]
         if ops.static:
-            return [DYN if _inexact(atom) else False for atom in a]
+            static = _static_structural(eqn, ins, d)
+            assert isinstance(static, list)
+            return static
         return _transpose_structural(ops, values, eqn, d)
     raise Unknown
 
@@ -469,6 +528,8 @@ def _not(x: Live) -> Live:
         return not x
     if isinstance(x, _Dyn):
         return DYN
+    if isinstance(x, np.ndarray):
+        return _norm(np.logical_not(x))
     return jnp.logical_not(x)
 
 

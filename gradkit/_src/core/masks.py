@@ -31,7 +31,7 @@ from typing import Any, cast
 import jax
 
 from gradkit._src import compat
-from gradkit._src.core import liveness, walk
+from gradkit._src.core import liveness, splice, walk
 
 # (eqn, enclosing scopes) -> the masked binder of the rule the table gives it, or None
 Match = Callable[[compat.JaxprEqn, tuple[str, ...]], Callable[..., list[Any]] | None]
@@ -59,21 +59,23 @@ def rewrite(jaxpr: Any, match: Match, keep: Keep, names: frozenset[str], outer: 
     flat = compat.trace_avals(flat_fn, avals, "gradkit_safe")
     fj, fc = compat.jaxpr_parts(flat)
     binders = {i: b for i, eqn in enumerate(fj.eqns) if (b := match(eqn, outer)) is not None}
-    up_s = liveness.up_pass(fj, None)
-    down_s = liveness.down_pass(fj, None, up_s)
+    known = _constants(fj)
+    up_s = liveness.up_pass(fj, None, known.__contains__)
+    down_s = liveness.down_pass(fj, None, up_s, known.__contains__)
     # Reached by a mask: dead somewhere (statically everywhere, as behind a product by a literal 0, or
     # where runtime values say) on an input some varying path reaches; elsewhere JAX's equation stays.
-    reached = {i: b for i, b in binders.items()
-               if any(d is not False and not isinstance(a, compat.Literal) and up_s.get(a, False) is not False
-                      for a, d in zip(fj.eqns[i].invars, liveness.dead(fj.eqns[i], up_s, down_s, True)))}
+    used = _used(fj)  # an output nothing differentiable reads gets a symbolic zero cotangent: nothing to mask
+    reached = {i: b for i, b in binders.items() if fj.eqns[i].outvars[0] in used and
+               any(d is not False and not isinstance(a, compat.Literal) and up_s.get(a, False) is not False
+                   for a, d in zip(fj.eqns[i].invars, liveness.dead(fj.eqns[i], up_s, down_s, True)))}
     if not reached:
         return _place(jaxpr, core, flat) if changed[0] else jaxpr
 
     def masked_fn(*args: Any) -> list[Any]:
         values = _Values(fj, fc, args)
         with jax.numpy_dtype_promotion("standard"):  # gradkit's own arithmetic, whatever the user's setting
-            up = liveness.up_pass(fj, values)
-            down = liveness.down_pass(fj, values, up)
+            up = liveness.up_pass(fj, values, known.__contains__)
+            down = liveness.down_pass(fj, values, up, known.__contains__)
         env: dict[Any, Any] = dict(zip(fj.constvars, fc))
         env.update(zip(fj.invars, args))
         for i, eqn in enumerate(fj.eqns):
@@ -91,6 +93,29 @@ def rewrite(jaxpr: Any, match: Match, keep: Keep, names: frozenset[str], outer: 
         return [compat.read_atom(env, a) for a in fj.outvars]
 
     return _place(jaxpr, core, compat.trace_avals(masked_fn, avals, "gradkit_safe"))
+
+
+def _used(jaxpr: compat.Jaxpr) -> set[Any]:
+    """The variables some path of inexact values leads from to the program's outputs (masked or not)."""
+    def inexact(a: Any) -> bool:
+        return bool(jax.numpy.issubdtype(walk.shaped(a.aval).dtype, jax.numpy.inexact))
+
+    used = {v for v in jaxpr.outvars if not isinstance(v, compat.Literal) and inexact(v)}
+    for eqn in reversed(jaxpr.eqns):
+        if eqn.primitive.name != "stop_gradient" and any(v in used for v in eqn.outvars if inexact(v)):
+            used.update(a for a in eqn.invars if not isinstance(a, compat.Literal) and inexact(a))
+    return used
+
+
+def _constants(jaxpr: compat.Jaxpr) -> dict[Any, Any]:
+    """The values the program computes from literals alone, finite, nonzero and normal (splice's rule)."""
+    known: dict[Any, Any] = {}
+    for eqn in jaxpr.eqns:
+        if eqn.invars and len(eqn.outvars) == 1:
+            c = splice.constant_value(eqn, known)
+            if c is not None:
+                known[eqn.outvars[0]] = c
+    return known
 
 
 def _as_mask(d: Any, x: Any) -> Any:

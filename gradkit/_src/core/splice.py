@@ -353,6 +353,11 @@ def _constant_value(eqn: JaxprEqn, known: dict[compat.Var, _Constant]) -> _Const
     return _Constant(scalar, slack)
 
 
+def constant_value(eqn: JaxprEqn, known: dict[compat.Var, _Constant]) -> _Constant | None:
+    """:func:`_constant_value` for other modules (SAFE's masks: a factor that masks nothing)."""
+    return _constant_value(eqn, known)
+
+
 # --------------------------------------------------------------------------- rules as custom_vjp / custom_jvp
 
 
