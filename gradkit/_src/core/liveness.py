@@ -52,7 +52,7 @@ class _Dyn:
 
 
 DYN = _Dyn()
-Live = bool | _Dyn | jax.Array
+Live = bool | _Dyn | jax.Array | np.ndarray
 
 # Elementwise primitives: each output element depends on the same element of each operand.
 ELEMENTWISE = frozenset({
@@ -149,6 +149,7 @@ def _static_structural(eqn: compat.JaxprEqn, live: Sequence[Live], d: Live | Non
         return DYN if d is None else [DYN if _inexact(a) else False for a in eqn.invars]
 
     def literal(atom: compat.Atom) -> Any:
+        assert isinstance(atom, compat.Literal)  # checked above: every operand not carried is a literal
         return atom.val
 
     ops = _Ops(False)
