@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import jax
+import numpy as np
 
 from gradkit._src import compat
 from gradkit._src.core import liveness, splice, walk
@@ -41,7 +42,7 @@ Keep = Callable[[compat.JaxprEqn], bool]
 def rewrite(jaxpr: Any, match: Match, keep: Keep, names: frozenset[str], outer: tuple[str, ...] = ()) -> Any:
     """``jaxpr`` (open or closed, the same kind back) with masked SAFE equations; itself if none is."""
     core, consts = compat.jaxpr_parts(jaxpr)
-    if not any(eqn.primitive.name in names for eqn, _ in walk.equations(jaxpr)):
+    if not _may_mask(jaxpr, names):
         return jaxpr
     if core.constvars and not consts:  # an open body with free constants: left to JAX's rules
         return jaxpr
@@ -93,6 +94,33 @@ def rewrite(jaxpr: Any, match: Match, keep: Keep, names: frozenset[str], outer: 
         return [compat.read_atom(env, a) for a in fj.outvars]
 
     return _place(jaxpr, core, compat.trace_avals(masked_fn, avals, "gradkit_safe"))
+
+
+# Where a mask can start: a selection, or a value that is constant for differentiation.
+_MASK_SITES = frozenset({"select_n", "max", "min", "clamp", "reduce_max", "reduce_min", "reduce_prod",
+                         "stop_gradient"})
+
+
+def _may_mask(jaxpr: Any, names: frozenset[str]) -> bool:
+    """A cheap look before the analysis: some matched primitive, and some place a mask can start — a
+    selection, a ``stop_gradient``, a boolean converted to a number, a literal 0 or a closed-over constant
+    as a factor. None: nothing to mask, and the program is not traced again."""
+    matched = site = False
+    for eqn, j in walk.equations(jaxpr):
+        name = eqn.primitive.name
+        matched = matched or name in names
+        if not site:
+            if name in _MASK_SITES:
+                site = True
+            elif name == "convert_element_type":
+                a = eqn.invars[0]
+                site = not isinstance(a, compat.Literal) and walk.shaped(a.aval).dtype == np.dtype(bool)
+            elif name in ("mul", "dot_general"):
+                site = any((isinstance(a, compat.Literal) and not bool(np.all(np.asarray(a.val) != 0)))
+                           or (not isinstance(a, compat.Literal) and a in j.constvars) for a in eqn.invars)
+        if matched and site:
+            return True
+    return False
 
 
 def _used(jaxpr: compat.Jaxpr) -> set[Any]:
