@@ -532,27 +532,3 @@ def _not(x: Live) -> Live:
     if isinstance(x, np.ndarray):
         return _norm(np.logical_not(x))
     return jnp.logical_not(x)
-
-
-def inline_calls(jaxpr: compat.Jaxpr, consts: Sequence[Any], args: Sequence[Any],
-                 keep: Callable[[compat.JaxprEqn], bool] = lambda eqn: False) -> list[Any]:
-    """Evaluates ``jaxpr`` with every ``jit`` call inlined (not a gradkit named op, nor one ``keep`` keeps):
-    masks found by dataflow then see through ``jnp.where``, ``jnp.clip``, ``jnp.linalg.norm`` (jitted
-    functions of JAX's). Each equation keeps its source line and its whole name stack."""
-    env: dict[Any, Any] = {}
-    for v, c in zip(jaxpr.constvars, consts):
-        env[v] = c
-    for v, x in zip(jaxpr.invars, args):
-        env[v] = x
-    for eqn in jaxpr.eqns:
-        ins = [compat.read_atom(env, a) for a in eqn.invars]
-        with compat.source_of(eqn):
-            if (compat.is_jit(eqn) and not str(eqn.params.get("name", "")).startswith(compat.NAMED_OP_PREFIX)
-                    and not keep(eqn) and not eqn.effects):
-                sub, sub_consts = compat.jaxpr_parts(eqn.params["jaxpr"])
-                outs = inline_calls(sub, sub_consts, ins, keep)
-            else:
-                outs = compat.bind(eqn, ins)
-        for v, o in zip(eqn.outvars, outs):
-            env[v] = o
-    return [compat.read_atom(env, a) for a in jaxpr.outvars]
