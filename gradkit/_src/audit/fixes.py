@@ -40,6 +40,7 @@ import numpy as np
 from gradkit._src import compat
 from gradkit._src.audit.explain import Selection, loc, via, zero_cotangent
 from gradkit._src.audit.patterns import Rewrite, find, masked_row_advice, stable_doc
+from gradkit._src.audit.point_mask import point_mask_advice
 from gradkit._src.audit.program import Program, gradient
 from gradkit._src.audit.report import Fix
 from gradkit._src.audit.verify import Reference, value_check
@@ -98,6 +99,9 @@ def suggest(root: Selection, chain: Sequence[Selection], closed: compat.ClosedJa
     line = loc(rb.eqn, rb.ctx)
     births = [s.birth.eqn for s in chain if s.birth.eqn is not None]
     cands = [_rewrite(rw) for rw in find(closed, births, "expression")]
+    point = point_mask_advice(closed, rb.eqn, line) if rb.eqn is not None else ""
+    if point:
+        cands.append(Candidate(Fix("code", "point mask", point, note="a code change: not re-run")))
     if p == "exp" and not cands:
         cands.append(Candidate(Fix("code", "gradkit.stable", (
             f"`exp` overflows (above 88.7 in float32) at {line}: rewrite the expression so that exp is only "
@@ -332,7 +336,7 @@ def choose_fix(cands: list[Candidate], prog: Program, fn: Callable[..., object],
         if 0 < bad < original.bad:
             partial.append(c)
     advice = [c.fix for c in cands if not c.runnable]
-    double_where = [a for a in advice if a.name in ("double where", "masked row")]
+    double_where = [a for a in advice if a.name in ("double where", "masked row", "point mask")]
     if found is None:
         found = _combinations(cands, partial, tried, prog, fn, table, closed, original)
     # A rule changes derivatives only, never the value: where the value is NaN/inf and no route (a
@@ -341,7 +345,8 @@ def choose_fix(cands: list[Candidate], prog: Program, fn: Callable[..., object],
     if found is None and masked_row and any(count_nonfinite(o) for o in original.outputs):
         return _no_table(tried, advice), tuple(tried) + tuple(a for a in double_where if a.name != "masked row")
     if found is None:
-        return _nothing_verified(tried, advice), tuple(tried) + tuple(double_where)
+        shown = _nothing_verified(tried, advice)
+        return shown, tuple(tried) + tuple(a for a in double_where if a.advice not in shown.advice)
     also: list[Fix] = []
     if found.kind == "code":  # a rule table that works too needs no code change: worth a line
         for c in [c for c in rest if c.table is not None and " | " not in c.fix.name][:_ALSO]:
