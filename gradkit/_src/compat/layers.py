@@ -59,7 +59,7 @@ LAYER_KINDS = ("dense", "conv", "avg_pool", "max_pool", "activation", "sum")
 STRUCTURAL = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "broadcast_in_dim", "slice",
                         "dynamic_slice", "gather", "concatenate", "pad", "convert_element_type", "copy", "copy_p",
                         "rev", "reduce_precision", "optimization_barrier", "sharding_constraint"})
-_CALLS = frozenset({"checkpoint", "remat", "closed_call", "core_call"})  # entered like jit
+_CALLS = frozenset({"checkpoint", "remat", "remat2", "closed_call", "core_call"})  # entered like jit
 # Ops whose output is nonnegative when the operands named by _SIGN_OPERANDS (default: all) are.
 _KEEPS_SIGN = LAYOUT | {"reduce_window_max", "reduce_window_sum", "broadcast_in_dim", "reduce_max", "reduce_sum",
                         "slice", "pad", "concatenate", "rev", "gather", "dynamic_slice", "select_n", "add", "mul",
