@@ -420,3 +420,169 @@ def test_target_out_of_range_under_jit_is_nan():
     r = jax.jit(lambda x, t: A.lrp(f, x, A.EPSILON_PLUS, target=t))(X, jnp.array([1, 3]))
     assert np.isnan(np.asarray(r[1])).all() and np.isfinite(np.asarray(r[0])).all()
     close(r[0], lrp(f, X, A.EPSILON_PLUS, target=1)[0], 1e-6)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Property test: random compositions against a NumPy float64 LRP written from the rules' formulas.
+# A network is a list of steps on flat per-example vectors; every linear step is a matrix (conv and pooling
+# too), BatchNorm is folded by Zennit's formula in the reference and written out in the model.
+# --------------------------------------------------------------------------------------------------------------
+
+def conv1d_matrix(w, length):
+    """w (O, C, 3) -> the (C*L, O*L) matrix of a stride-1 'same' NCL convolution of one example."""
+    o_n, c_n, _ = w.shape
+    m = np.zeros((c_n * length, o_n * length))
+    for o in range(o_n):
+        for c in range(c_n):
+            for lo in range(length):
+                for k in range(3):
+                    li = lo + k - 1
+                    if 0 <= li < length:
+                        m[c * length + li, o * length + lo] = w[o, c, k]
+    return m
+
+
+def random_net(seed):
+    """Random steps and the input width. Steps: ("linear", kind, M, b, jax_fn) with BatchNorm folded into (M, b),
+    ("relu",), ("reshape",), ("res", steps) (a residual branch)."""
+    rng = np.random.default_rng(seed)
+    length, chans = 4, int(rng.integers(1, 3))
+    width = width_in = chans * length
+    steps = []
+
+    def bn_params(n):
+        return rng.uniform(0.5, 1.5, n), rng.normal(size=n) * 0.3, rng.normal(size=n) * 0.3, rng.uniform(0.5, 2, n)
+
+    def dense(n_in, n_out, with_bn):
+        w = rng.normal(size=(n_in, n_out)) / np.sqrt(n_in)
+        b = rng.normal(size=n_out) * 0.1 if rng.random() < 0.5 else None
+        m_, bias = w, np.zeros(n_out) if b is None else b
+        bnp = bn_params(n_out) if with_bn else None
+        if bnp is not None:
+            g, beta, mu, var = bnp
+            s = g / np.sqrt(var + EPS_BN)
+            m_, bias = w * s, (bias - mu) * s + beta
+
+        def fn(h):
+            z = h @ w if b is None else h @ w + b[None]
+            if bnp is not None:
+                g_, beta_, mu_, var_ = (a[None] for a in bnp)
+                z = (z - mu_) / jnp.sqrt(var_ + EPS_BN) * g_ + beta_
+            return z
+        return ("linear", "dense", m_, bias, fn)
+
+    def conv(c_in, c_out):
+        w = rng.normal(size=(c_out, c_in, 3)) / np.sqrt(3 * c_in)
+        g, beta, mu, var = bn_params(c_out)
+        s = g / np.sqrt(var + EPS_BN)
+        m_ = conv1d_matrix(w * s[:, None, None], length)
+        bias = np.repeat((0 - mu) * s + beta, length)
+
+        def fn(h, length=length):
+            z = jax.lax.conv_general_dilated(h.reshape(h.shape[0], c_in, length), w, (1,), "SAME",
+                                             dimension_numbers=("NCH", "OIH", "NCH"))
+            z = (z - mu[None, :, None]) * jax.lax.rsqrt(var[None, :, None] + EPS_BN) * g[None, :, None]
+            return (z + beta[None, :, None]).reshape(h.shape[0], c_out * length)
+        return ("linear", "conv", m_, bias, fn)
+
+    for _ in range(int(rng.integers(2, 5))):
+        choice = rng.choice(["dense", "conv", "res", "pool", "reshape"])
+        if choice == "dense":
+            n_out = chans * length
+            steps += [dense(width, n_out, rng.random() < 0.7), ("relu",)]
+        elif choice == "conv":
+            c_out = int(rng.integers(1, 3))
+            steps += [conv(chans, c_out), ("relu",)]
+            chans = c_out
+        elif choice == "res":
+            steps.append(("res", [dense(width, width, True), ("relu",), dense(width, width, rng.random() < 0.5)]))
+        elif choice == "pool" and width % 2 == 0 and length % 2 == 0:
+            pool = np.zeros((width, width // 2))
+            for i in range(width // 2):
+                pool[2 * i:2 * i + 2, i] = 0.5
+            steps.append(("linear", "pool", pool, np.zeros(width // 2),
+                          lambda h: jnp.mean(h.reshape(h.shape[0], -1, 2), axis=2)))
+            length //= 2
+        else:
+            steps.append(("reshape",))
+        width = chans * length
+    steps.append(dense(width, 3, False))
+    return steps, width_in
+
+
+def jax_net(steps):
+    def run(h, steps_):
+        for st in steps_:
+            if st[0] == "linear":
+                h = st[4](h)
+            elif st[0] == "relu":
+                h = jax.nn.relu(h)
+            elif st[0] == "reshape":
+                h = jnp.transpose(h.reshape(h.shape[0], -1, 1), (0, 2, 1)).reshape(h.shape[0], -1)
+            else:
+                h = h + run(h, st[1])
+        return h
+    return lambda x: run(x, steps)
+
+
+def np_lrp(steps, x, r_out, rules):
+    def forward(h, steps_):
+        acts = []
+        for st in steps_:
+            acts.append(h)
+            if st[0] == "linear":
+                h = h @ st[2] + st[3]
+            elif st[0] == "relu":
+                h = np.maximum(h, 0)
+            elif st[0] == "res":
+                h = h + forward(h, st[1])[0]
+        return h, acts
+
+    def backward(steps_, acts, r):
+        for st, h in zip(reversed(steps_), reversed(acts)):
+            if st[0] == "linear":
+                m, b = st[2], st[3]
+                if rules[st[1]] == "zplus":
+                    mp, mn = np.maximum(m, 0), np.minimum(m, 0)
+                    hp, hn = np.maximum(h, 0), np.minimum(h, 0)
+                    c = r / stab(hp @ mp + np.maximum(b, 0) + hn @ mn, 1e-6)
+                    r = hp * (c @ mp.T) + hn * (c @ mn.T)
+                else:  # epsilon (and Norm for pooling), stabilizer 1e-6
+                    r = h * ((r / stab(h @ m + b, 1e-6)) @ m.T)
+            elif st[0] == "res":
+                branch_out, branch_acts = forward(h, st[1])
+                total = stab(h + branch_out, 1e-6)
+                r = h * r / total + backward(st[1], branch_acts, branch_out * r / total)
+        return r
+
+    _, acts = forward(x, steps)
+    return backward(steps, acts, r_out)
+
+
+COMPOSITES_NP = {"EPSILON_PLUS": {"dense": "epsilon", "conv": "zplus", "pool": "norm"},
+                 "ZPLUS_DENSE": {"dense": "zplus", "conv": "zplus", "pool": "norm"}}
+
+
+def _check_random_net(seed):
+    steps, width = random_net(seed)
+    x = np.random.default_rng(1000 + seed).normal(size=(2, width))
+    f = jax_net(steps)
+    out = np.asarray(f(x))
+    t = out.argmax(axis=1)
+    for name, rules in COMPOSITES_NP.items():
+        comp = A.EPSILON_PLUS if name == "EPSILON_PLUS" else A.EPSILON_PLUS | {"dense": A.zplus()}
+        got, report = lrp(f, x, comp, check=True)
+        want = np_lrp(steps, x, np.eye(3)[t], rules)
+        close(got, want, 1e-7)
+        np.testing.assert_allclose(np.asarray(report.total_relevance), want.sum(axis=1), rtol=1e-7, atol=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_networks_are_their_rules(seed, x64):
+    _check_random_net(seed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(3, 40))
+def test_random_networks_are_their_rules_many(seed, x64):
+    _check_random_net(seed)
