@@ -232,7 +232,7 @@ def test_resnet_conserves_relevance_and_three_frameworks_agree():
                                   pytest.param("EPSILON_ALPHA2_BETA1_FLAT", marks=pytest.mark.slow)])
 def test_folding_is_the_model_folded_by_hand(comp):
     c = A.EPSILON_GAMMA_BOX(-3.0, 3.0) if comp == "EPSILON_GAMMA_BOX" else getattr(A, comp)
-    got = A.lrp(jax_resnet(P_SHIFT), X, c)  # eager, once
+    got = lrp(jax_resnet(P_SHIFT), X, c)
     close(got, lrp(folded_resnet(P_SHIFT), X, c), 1e-5)
     with pytest.warns(gk.GradkitWarning):
         unfolded = lrp(jax_resnet(P_SHIFT), X, c, canonize=False)
@@ -277,8 +277,7 @@ WINDOW = {
 
 def _pool_model(p, window, glob):
     def f(x):
-        h = WINDOW[window](stem(x, p))
-        return GLOBAL[glob](block1(h, p)) @ p["fc"][:4]
+        return GLOBAL[glob](WINDOW[window](stem(x, p))) @ p["fc"][:4]
     return f
 
 
@@ -293,9 +292,13 @@ def test_every_pooling_spelling_is_one_avg_pool():
             close(lrp(_pool_model(P_SHIFT, window, glob), X, A.EPSILON_PLUS), want, 1e-5)
 
 
+def _one_block(p, wrap=lambda f: f):
+    return lambda x: jnp.mean(wrap(block1)(stem(x, p), p), axis=(1, 2)) @ p["fc"][:4]
+
+
 def test_layers_inside_remat_jit_cond_switch_and_scan():
-    want = lrp(jax_resnet(P_SHIFT), X, A.EPSILON_PLUS)
     p = P_SHIFT
+    want = lrp(_one_block(p), X, A.EPSILON_PLUS)
     wraps = {
         "checkpoint": jax.checkpoint,
         "jit": lambda blk: jax.jit(blk),
@@ -304,8 +307,8 @@ def test_layers_inside_remat_jit_cond_switch_and_scan():
         "switch": lambda blk: lambda h, p_: jax.lax.switch(jnp.asarray(1), [lambda v: jnp.zeros_like(blk(v, p_)),
                                                                            lambda v: blk(v, p_)], h),
     }
-    for name, wrap in wraps.items():
-        close(lrp(jax_resnet(p, wrap), X, A.EPSILON_PLUS), want, 1e-5)
+    for wrap in wraps.values():
+        close(lrp(_one_block(p, wrap), X, A.EPSILON_PLUS), want, 1e-5)
 
     stacked = {k: np.stack([p[k], P_PLAIN[k]]) if k in ("w1", "w2") else p[k] for k in p}
     stacked["bn1"] = tuple(np.stack([a, b]) for a, b in zip(p["bn1"], P_PLAIN["bn1"]))
@@ -396,30 +399,39 @@ def test_an_op_without_a_rule_warns_and_strict_is_an_error():
     rng = np.random.default_rng(4)
     w1, w2 = rng.normal(size=(3, 4)).astype(np.float32), rng.normal(size=(4, 2)).astype(np.float32)
     x = rng.normal(size=(2, 3)).astype(np.float32)
-    f = lambda v: jnp.sin(v @ w1) @ w2  # noqa: E731
+    f = lambda v: jnp.sin(v @ w1) @ w2
     with pytest.warns(gk.GradkitWarning, match=r"sin at .*test_lrp_resnet.py:\d+"):
         lrp(f, x, A.EPSILON_PLUS)
     with pytest.raises(gk.GradkitError, match="sin at .*strict=True"):
         lrp(f, x, A.EPSILON_PLUS, strict=True)
     # structural ops do not warn (warnings are errors here)
-    g = lambda v: jnp.transpose(jax.nn.relu(v @ w1).reshape(2, 2, 2), (0, 2, 1)).reshape(2, 4)[:, ::-1] @ w2  # noqa
+    g = lambda v: jnp.transpose(jax.nn.relu(v @ w1).reshape(2, 2, 2), (0, 2, 1)).reshape(2, 4)[:, ::-1] @ w2
     assert np.isfinite(np.asarray(lrp(g, x, A.EPSILON_PLUS, strict=True))).all()
     # LayerNorm is not BatchNorm: left as it is (it keeps its gradient, warned), and nothing breaks
     ln = nn.LayerNorm()
     lv = ln.init(jax.random.key(0), x @ w1)
-    h = lambda v: jax.nn.relu(ln.apply(lv, v @ w1)) @ w2  # noqa: E731
+    h = lambda v: jax.nn.relu(ln.apply(lv, v @ w1)) @ w2
     with pytest.warns(gk.GradkitWarning):
         r = lrp(h, x, A.EPSILON_PLUS)
     assert np.isfinite(np.asarray(r)).all()
 
 
-def test_target_out_of_range_under_jit_is_nan():
-    f = folded_resnet(P_SHIFT)
+def test_target_out_of_range_under_jit_is_nan_and_eager_is_jit():
+    rng = np.random.default_rng(6)
+    w1, w2 = rng.normal(size=(3, 4)).astype(np.float32), rng.normal(size=(4, 3)).astype(np.float32)
+    g, beta, mu, var = (np.float32(a) for a in (1.5, 0.2, -0.3, 2.0))
+    f = lambda v: jax.nn.relu((v @ w1 - mu) / jnp.sqrt(var + EPS_BN) * g + beta) @ w2  # noqa: E731
+    x = rng.normal(size=(2, 3)).astype(np.float32)
     with pytest.raises(gk.GradkitError, match="outside"):
-        A.lrp(f, X, A.EPSILON_PLUS, target=np.array([0, 3]))
-    r = jax.jit(lambda x, t: A.lrp(f, x, A.EPSILON_PLUS, target=t))(X, jnp.array([1, 3]))
+        A.lrp(f, x, A.EPSILON_PLUS, target=np.array([0, 3]))
+    r = jax.jit(lambda v, t: A.lrp(f, v, A.EPSILON_PLUS, target=t))(x, jnp.array([1, 3]))
     assert np.isnan(np.asarray(r[1])).all() and np.isfinite(np.asarray(r[0])).all()
-    close(r[0], lrp(f, X, A.EPSILON_PLUS, target=1)[0], 1e-6)
+    eager = A.lrp(f, x, A.EPSILON_PLUS, target=1)
+    close(r[0], eager[0], 1e-6)
+    # the folded layer is the layer folded by hand
+    s = g / np.sqrt(var + EPS_BN)
+    close(eager, A.lrp(lambda v: jax.nn.relu(v @ (w1 * s) + (beta - mu * s)) @ w2, x, A.EPSILON_PLUS, target=1),
+          1e-5)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -255,7 +255,7 @@ class _Runner:
         return layer
 
     def _sum(self, eqn: JaxprEqn, invals: list[Any], nonneg: bool) -> Any:
-        shape = tuple(eqn.outvars[0].aval.shape)
+        shape = tuple(getattr(eqn.outvars[0].aval, "shape", ()))
         stacked = jnp.stack([jnp.broadcast_to(v, shape) for v in invals], axis=-1)
 
         def apply(sv: Any) -> Any:
@@ -329,7 +329,7 @@ class _Runner:
     @staticmethod
     def _fold(u: Unit, w: Any, v: Any, tail: list[JaxprEqn], read: Callable[[Any], Any]) -> tuple[Any, Any]:
         """The weight and bias of the layer with its affine tail folded in: ``W' = W·s``, ``b' = A(b)``."""
-        out = tail[-1].outvars[0].aval
+        out: Any = tail[-1].outvars[0].aval
         s: Any = 1.0
         t: Any = 0.0
         ops = tail
