@@ -420,7 +420,7 @@ def test_target_out_of_range_under_jit_is_nan_and_eager_is_jit():
     rng = np.random.default_rng(6)
     w1, w2 = rng.normal(size=(3, 4)).astype(np.float32), rng.normal(size=(4, 3)).astype(np.float32)
     g, beta, mu, var = (np.float32(a) for a in (1.5, 0.2, -0.3, 2.0))
-    f = lambda v: jax.nn.relu((v @ w1 - mu) / jnp.sqrt(var + EPS_BN) * g + beta) @ w2  # noqa: E731
+    f = lambda v: jax.nn.relu((v @ w1 - mu) / jnp.sqrt(var + EPS_BN) * g + beta) @ w2
     x = rng.normal(size=(2, 3)).astype(np.float32)
     with pytest.raises(gk.GradkitError, match="outside"):
         A.lrp(f, x, A.EPSILON_PLUS, target=np.array([0, 3]))
@@ -598,3 +598,30 @@ def test_random_networks_are_their_rules(seed, x64):
 @pytest.mark.parametrize("seed", range(3, 40))
 def test_random_networks_are_their_rules_many(seed, x64):
     _check_random_net(seed)
+
+
+def test_nnx_batchnorm_in_eval_is_folded():
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self):
+            rngs = nnx.Rngs(0)
+            self.l1, self.bn, self.l2 = nnx.Linear(3, 4, rngs=rngs), nnx.BatchNorm(4, rngs=rngs), nnx.Linear(4, 2,
+                                                                                                         rngs=rngs)
+
+        def __call__(self, x):
+            return self.l2(nnx.relu(self.bn(self.l1(x))))
+
+    net = Net()
+    rng = np.random.default_rng(7)
+    g, beta, mu, var = (rng.uniform(0.5, 1.5, 4), rng.normal(size=4), rng.normal(size=4), rng.uniform(0.5, 2, 4))
+    for var_, val in ((net.bn.scale, g), (net.bn.bias, beta), (net.bn.mean, mu), (net.bn.var, var)):
+        var_[...] = jnp.asarray(val, jnp.float32)
+    net.eval()
+    x = rng.normal(size=(2, 3)).astype(np.float32)
+    s = g / np.sqrt(var + net.bn.epsilon)
+    w1, b1 = np.asarray(net.l1.kernel[...], np.float64), np.asarray(net.l1.bias[...], np.float64)
+    w1f, b1f = (w1 * s).astype(np.float32), ((b1 - mu) * s + beta).astype(np.float32)
+    w2, b2 = np.asarray(net.l2.kernel[...]), np.asarray(net.l2.bias[...])
+    by_hand = lambda v: jax.nn.relu(v @ w1f + b1f[None]) @ w2 + b2[None]
+    close(lrp(lambda v: net(v), x, A.EPSILON_PLUS_FLAT), lrp(by_hand, x, A.EPSILON_PLUS_FLAT), 1e-5)
