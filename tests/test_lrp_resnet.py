@@ -414,6 +414,10 @@ def test_an_op_without_a_rule_warns_and_strict_is_an_error():
     with pytest.warns(gk.GradkitWarning):
         r = lrp(h, x, A.EPSILON_PLUS)
     assert np.isfinite(np.asarray(r)).all()
+    # per example (LRP under vmap) its reduction is over all of an example's axes: not batch statistics
+    with pytest.warns(gk.GradkitWarning):
+        rv = jax.vmap(lambda v: A.lrp(h, v, A.EPSILON_PLUS))(x)
+    close(rv, r, 1e-5)
 
 
 def test_target_out_of_range_under_jit_is_nan_and_eager_is_jit():

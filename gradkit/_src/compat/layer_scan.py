@@ -182,8 +182,12 @@ class Plan:
         return not is_literal(v) and self.only_user(v) is not None
 
     def _over_batch(self, eqn: JaxprEqn, batch: int) -> bool:
+        """A sum over the batch axis that keeps a feature axis (a normalization over all axes of one example,
+        under a ``vmap`` of LRP, is not one) of a value used elsewhere too (not a pooling)."""
         shape = _shape(eqn.invars[0])
-        return len(shape) >= 2 and shape[0] == batch and 0 in tuple(eqn.params.get("axes", ()))
+        axes = tuple(eqn.params.get("axes", ()))
+        return (len(shape) >= 2 and shape[0] == batch and 0 in axes and len(axes) < len(shape)
+                and not self._only_use(eqn.invars[0]))
 
     def _layout_chain(self, v: Any) -> tuple[list[int], Any, int | None]:
         chain: list[int] = []
