@@ -629,3 +629,48 @@ def test_nnx_batchnorm_in_eval_is_folded():
     w2, b2 = np.asarray(net.l2.kernel[...]), np.asarray(net.l2.bias[...])
     by_hand = lambda v: jax.nn.relu(v @ w1f + b1f[None]) @ w2 + b2[None]
     close(lrp(lambda v: net(v), x, A.EPSILON_PLUS_FLAT), lrp(by_hand, x, A.EPSILON_PLUS_FLAT), 1e-5)
+
+
+class _ScanBlock(nn.Module):
+    @nn.compact
+    def __call__(self, h, _):
+        a = nn.relu(nn.BatchNorm(use_running_average=True)(nn.Dense(4, use_bias=False)(h)))
+        return nn.relu(nn.BatchNorm(use_running_average=True)(nn.Dense(4, use_bias=False)(a)) + h), None
+
+
+class _ScanNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(4)(x)
+        stack = nn.scan(_ScanBlock, variable_axes={"params": 0, "batch_stats": 0}, split_rngs={"params": True},
+                        length=3)
+        h, _ = stack()(h, None)
+        return nn.Dense(2)(h)
+
+
+@pytest.mark.slow
+def test_a_flax_scan_stack_is_its_unrolled_blocks():
+    m = _ScanNet()
+    x = np.random.default_rng(0).normal(size=(2, 3)).astype(np.float32)
+    v = m.init(jax.random.key(0), x)
+    rng = np.random.default_rng(3)
+    stats = jax.tree_util.tree_map_with_path(
+        lambda p, a: jnp.asarray(rng.uniform(0.5, 1.5, a.shape) if "var" in str(p) else 0.1 * rng.normal(size=a.shape),
+                                 jnp.float32), v["batch_stats"])
+    p, s = v["params"], stats
+
+    def unrolled(u):
+        h = u @ p["Dense_0"]["kernel"] + p["Dense_0"]["bias"][None]
+        key = next(k for k in p if k.startswith("Scan"))
+        sc, ss = p[key], s[key]
+        for i in range(3):
+            def bn_(z, k, i=i):
+                return ((z - ss[k]["mean"][i][None]) * jax.lax.rsqrt(ss[k]["var"][i][None] + 1e-5)
+                        * sc[k]["scale"][i][None] + sc[k]["bias"][i][None])
+            a = jax.nn.relu(bn_(h @ sc["Dense_0"]["kernel"][i], "BatchNorm_0"))
+            h = jax.nn.relu(bn_(a @ sc["Dense_1"]["kernel"][i], "BatchNorm_1") + h)
+        return h @ p["Dense_1"]["kernel"] + p["Dense_1"]["bias"][None]
+
+    f = lambda u: m.apply({"params": p, "batch_stats": s}, u)
+    close(f(x), unrolled(x), 1e-6)
+    close(A.lrp(f, x, A.EPSILON_PLUS, strict=True), A.lrp(unrolled, x, A.EPSILON_PLUS, strict=True), 1e-5)
