@@ -48,7 +48,7 @@ from gradkit._src.compat.jaxprs import (
     scan_layout,
 )
 from gradkit._src.compat.layer_scan import ACTIVATION_FUNCTIONS, LAYOUT, Plan, Unit, is_varying, literal_scalar
-from gradkit._src.compat.source import source_line
+from gradkit._src.compat.source import call_site, source_line
 from gradkit._src.errors import GradkitError
 
 __all__ = ["ACTIVATION_FUNCTIONS", "LAYER_KINDS", "STRUCTURAL", "Layer", "run_layers"]
@@ -191,11 +191,14 @@ class _Runner:
             prim = eqn.primitive.name
             if any(flags) and (is_jit(eqn) or prim in _CALLS):
                 inner, inner_consts = jaxpr_parts(eqn.params["jaxpr"])
-                outs = self.run(inner, inner_consts, invals, flags, nn, batch)
+                with call_site(eqn):  # a library's jitted body has no user line: its caller's
+                    outs = self.run(inner, inner_consts, invals, flags, nn, batch)
             elif any(flags[1:]) and prim == "cond":
-                outs = self._cond(eqn, invals, flags, nn)
+                with call_site(eqn):
+                    outs = self._cond(eqn, invals, flags, nn)
             elif any(flags) and prim == "scan":
-                outs = self._scan(eqn, invals, flags, nn)
+                with call_site(eqn):
+                    outs = self._scan(eqn, invals, flags, nn)
             else:
                 if any(f and _is_float(a) for f, a in zip(flags, eqn.invars)):
                     self._check_ruled(eqn)
