@@ -299,14 +299,14 @@ def _one_block(p, wrap=lambda f: f):
 def test_layers_inside_remat_jit_cond_switch_and_scan():
     p = P_SHIFT
     want = lrp(_one_block(p), X, A.EPSILON_PLUS)
-    wraps = {
-        "checkpoint": jax.checkpoint,
-        "jit": lambda blk: jax.jit(blk),
-        "cond": lambda blk: lambda h, p_: jax.lax.cond(jnp.asarray(True), lambda v: blk(v, p_),
-                                                      lambda v: jnp.zeros_like(blk(v, p_)), h),
-        "switch": lambda blk: lambda h, p_: jax.lax.switch(jnp.asarray(1), [lambda v: jnp.zeros_like(blk(v, p_)),
-                                                                           lambda v: blk(v, p_)], h),
-    }
+    def in_cond(blk):  # a switch whose taken branch is a cond whose taken branch is the block
+        def f(h, p_):
+            zeros = lambda v: jnp.zeros_like(blk(v, p_))
+            taken = lambda v: jax.lax.cond(jnp.asarray(True), lambda u: blk(u, p_), zeros, v)
+            return jax.lax.switch(jnp.asarray(1), [zeros, taken, zeros], h)
+        return f
+
+    wraps = {"checkpoint of jit": lambda blk: jax.checkpoint(jax.jit(blk)), "switch and cond": in_cond}
     for wrap in wraps.values():
         close(lrp(_one_block(p, wrap), X, A.EPSILON_PLUS), want, 1e-5)
 
