@@ -393,6 +393,9 @@ def test_batch_statistics_are_an_error():
 
     with pytest.raises(gk.GradkitError, match="over the batch axis"):
         lrp(plain, x, A.EPSILON_PLUS)
+    bn_, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(3, "batch", inference=False, mode="ema")
+    with pytest.raises(gk.GradkitError, match="training mode.*inference_mode"):  # a psum over the vmapped axis
+        A.lrp(jax.vmap(lambda u: bn_(u @ w, state)[0], axis_name="batch"), x, A.EPSILON_PLUS)
 
 
 def test_an_op_without_a_rule_warns_and_strict_is_an_error():

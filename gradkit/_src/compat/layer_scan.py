@@ -164,6 +164,8 @@ class Plan:
                     self.batch_stats.append(i)
                 elif prim == "reduce_window_sum" or self._only_use(eqn.invars[0]):
                     self._pool(i, eqn)
+            elif prim in ("psum", "pmean") and dyn and batch is not None and 0 in eqn.params.get("axes", ()):
+                self.batch_stats.append(i)  # a collective over the batch axis (Equinox's BatchNorm under vmap)
             elif prim in ("reduce_window_max", "reduce_max") and dyn == [0]:
                 self.units[i] = Unit("max_pool", i)
             elif prim == "add" and len(dyn) == 2 and all(_is_float(a) for a in eqn.invars):
