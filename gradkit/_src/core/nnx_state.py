@@ -245,7 +245,7 @@ class Route(Generic[R]):
         transforms make before they extract a graph (``flax.nnx.extract``).
         """
         for _, x in self._nnx.iter_graph(nodes):
-            if isinstance(x, self._nnx.Variable) and not getattr(x, "_can_update", True):
+            if isinstance(x, self._nnx.Variable) and not _can_update(x):
                 raise GradkitError(_trace_level_message(self._fn, x))
 
     # --- (2) and (3): inside, while the second overridden function traces
@@ -343,6 +343,17 @@ class Route(Generic[R]):
         is_node = self._is_node
         mapped: T = jax.tree_util.tree_map(lambda x: f(x) if is_node(x) else x, tree, is_leaf=is_node)
         return mapped  # the same structure, nodes replaced
+
+
+def _can_update(variable: object) -> bool:
+    """Whether Flax lets ``variable`` be written here: ``Variable._can_update`` (flax 0.12.x, x >= 1); before
+    it, the test ``Variable.__setattr__`` makes (its trace state is this trace's), which flax 0.12.0 — what
+    pip gives JAX 0.8 — has."""
+    can = getattr(variable, "_can_update", None)
+    if can is not None:
+        return bool(can)
+    state = getattr(variable, "_trace_state", None)
+    return state is None or bool(state.is_valid())
 
 
 def _same(a: tuple[Hashable, list[object]], b: tuple[Hashable, list[object]]) -> bool:
