@@ -191,19 +191,28 @@ def _nonzero(ops: _Ops, values: Values | None, up: Live, atom: compat.Atom) -> L
 
 
 def up_pass(jaxpr: compat.Jaxpr, values: Values | None,
-            nonzero_constant: Callable[[compat.Atom], bool] | None = None) -> dict[compat.Var, Live]:
-    """For each variable: where some unmasked path from the program's inputs reaches it."""
+            nonzero_constant: Callable[[compat.Atom], bool] | None = None,
+            static: dict[compat.Var, Live] | None = None, need: set[compat.Var] | None = None
+            ) -> dict[compat.Var, Live]:
+    """For each variable: where some unmasked path from the program's inputs reaches it.
+
+    With ``static`` (the static pass's answer) and ``need`` (:func:`demand`), only the variables in ``need``
+    are computed; every other one keeps its static liveness."""
     ops = _Ops(values is None, nonzero_constant)
     up: dict[compat.Var, Live] = {}
     for v in jaxpr.invars:
         up[v] = _inexact(v)
     for v in jaxpr.constvars:
         up[v] = False
+    if static is not None:
+        up.update(static)
 
     def get(a: compat.Atom) -> Live:
         return False if isinstance(a, compat.Literal) else up.get(a, False)
 
     for eqn in jaxpr.eqns:
+        if need is not None and not any(v in need for v in eqn.outvars):
+            continue
         name = eqn.primitive.name
         ins = [get(a) for a in eqn.invars]
         outs: list[Live]
@@ -423,20 +432,29 @@ def _apply_structural(ops: _Ops, values: Values | None, eqn: compat.JaxprEqn, in
 
 
 def down_pass(jaxpr: compat.Jaxpr, values: Values | None, up: dict[compat.Var, Live],
-              nonzero_constant: Callable[[compat.Atom], bool] | None = None) -> dict[compat.Var, Live]:
-    """For each variable: where some unmasked path from it reaches the program's outputs."""
+              nonzero_constant: Callable[[compat.Atom], bool] | None = None,
+              static: dict[compat.Var, Live] | None = None, need: set[compat.Var] | None = None
+              ) -> dict[compat.Var, Live]:
+    """For each variable: where some unmasked path from it reaches the program's outputs (``static`` and
+    ``need``: as :func:`up_pass`)."""
     ops = _Ops(values is None, nonzero_constant)
     down: dict[compat.Var, Live] = {}
+    if static is not None:
+        down.update((v, x) for v, x in static.items() if need is None or v not in need)
 
     def add(atom: compat.Atom, live: Live) -> None:
         if isinstance(atom, compat.Literal) or up.get(atom, False) is False:
             return  # nothing varies there: no derivative to mask
+        if need is not None and atom not in need:
+            return
         down[atom] = ops.or_(down.get(atom, False), _fit(live, atom, reduce=True))
 
     for v in jaxpr.outvars:
         if not isinstance(v, compat.Literal) and _inexact(v):
             add(v, True)
     for eqn in reversed(jaxpr.eqns):
+        if need is not None and not any(a in need for a in eqn.invars if not isinstance(a, compat.Literal)):
+            continue
         d_outs = [down.get(v, False) for v in eqn.outvars]
         if all(d is False for d in d_outs):
             continue
@@ -575,6 +593,40 @@ def _transpose_structural(ops: _Ops, values: Values | None, eqn: compat.JaxprEqn
     for i, ct in zip(idx, cts):
         out[i] = ct > 0
     return out
+
+
+def demand(jaxpr: compat.Jaxpr, up: dict[compat.Var, Live], down: dict[compat.Var, Live],
+           eqns: Sequence[compat.JaxprEqn]) -> tuple[set[compat.Var], set[compat.Var]]:
+    """The variables whose liveness the masks of ``eqns`` need at run time: static :data:`DYN` (``up``,
+    ``down``: the static passes) on the way to them — up from the producers, down from the consumers.
+    Every other variable's static liveness is its value."""
+    producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+    consumers: dict[compat.Var, list[compat.JaxprEqn]] = {}
+    for e in jaxpr.eqns:
+        if e.primitive.name not in _NO_DERIVATIVE:
+            for a in e.invars:
+                if not isinstance(a, compat.Literal):
+                    consumers.setdefault(a, []).append(e)
+    need_up: set[compat.Var] = set()
+    need_down: set[compat.Var] = set()
+    stack: list[tuple[bool, compat.Atom]] = [(True, a) for e in eqns for a in e.invars]
+    stack.extend((False, v) for e in eqns for v in e.outvars)
+    while stack:
+        is_up, v = stack.pop()
+        if isinstance(v, compat.Literal):
+            continue
+        seen, live = (need_up, up) if is_up else (need_down, down)
+        if v in seen or not isinstance(live.get(v), _Dyn):
+            continue
+        seen.add(v)
+        if is_up:
+            p = producer.get(v)
+            stack.extend((True, a) for a in (p.invars if p is not None else ()))
+        else:
+            for c in consumers.get(v, ()):
+                stack.extend((False, o) for o in c.outvars)
+                stack.extend((True, a) for a in c.invars)
+    return need_up, need_down
 
 
 def dead(eqn: compat.JaxprEqn, up: dict[compat.Var, Live], down: dict[compat.Var, Live], ops_static: bool
