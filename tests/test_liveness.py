@@ -128,7 +128,7 @@ def test_dot_general_liveness_matches_brute_force(name):
     # under jit every case; without, a few (each op dispatched on its own is slow)
     for jit, picked in ((True, range(len(trials))), (False, (1, 9, 11))):
         some = [trials[i] for i in picked]
-        got = jax.jit(lambda: run(some))() if jit else run(some)
+        got = jax.jit(lambda some=some: run(some))() if jit else run(some)
         for i, g3 in zip(picked, got):
             for g, w, what in zip(g3, wants[i], ("up", "down lhs", "down rhs")):
                 np.testing.assert_array_equal(np.asarray(g), w, err_msg=f"{name} {what} {trials[i][0]} jit={jit}")

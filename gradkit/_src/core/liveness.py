@@ -41,7 +41,7 @@ import numpy as np
 from jax import lax
 
 from gradkit._src import compat
-from gradkit._src.core import walk
+from gradkit._src.core import mask_ops, walk
 
 
 class _Dyn:
@@ -357,53 +357,16 @@ def _dot_up(ops: _Ops, values: Values | None, eqn: compat.JaxprEqn, ins: list[Li
     return ops.or_(_dot_term(ops, eqn, ins[0], nz_b), _dot_term(ops, eqn, nz_a, ins[1]))
 
 
-def _dot_dims(eqn: compat.JaxprEqn) -> tuple[list[int], list[int], list[int], list[int], list[int], list[int]]:
-    """``dot_general``'s contracting, batch and free dimensions of each operand (the output: batch, lhs free,
-    rhs free)."""
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    na, nb = len(_shape(eqn.invars[0])), len(_shape(eqn.invars[1]))
-    lf = [i for i in range(na) if i not in lc and i not in lb]
-    rf = [i for i in range(nb) if i not in rc and i not in rb]
-    return list(lc), list(rc), list(lb), list(rb), lf, rf
-
-
-def _any(x: jax.Array, axes: Sequence[int]) -> jax.Array:
-    return jnp.any(x, axis=tuple(axes)) if axes else x
-
-
-def _spread(red: jax.Array, target: Sequence[int], shape: tuple[int, ...]) -> jax.Array:
-    """``red``, whose axes are the dimensions ``target`` of ``shape``, broadcast over the others."""
-    perm = tuple(int(i) for i in np.argsort(target))
-    if perm != tuple(range(len(perm))):
-        red = jnp.transpose(red, perm)
-    return lax.broadcast_in_dim(red, shape, tuple(sorted(target)))
-
-
-def _bool_dot(x: jax.Array, y: jax.Array, eqn: compat.JaxprEqn) -> jax.Array:
-    """Where some contracted term of ``x`` and ``y`` is live: a matrix product of the masks (both vary)."""
-    dn = eqn.params["dimension_numbers"]
-    return lax.dot_general(x.astype(jnp.float32), y.astype(jnp.float32), dn, precision=lax.Precision.HIGHEST,
-                           preferred_element_type=jnp.float32) > 0
-
-
 def _dot_term(ops: _Ops, eqn: compat.JaxprEqn, x: Live, y: Live) -> Live:
     """Up through ``dot_general``: where some contracted term of the lhs mask ``x`` and the rhs mask ``y`` is
-    live. With one side live everywhere, a reduction (``any`` over the other's contracted dimensions)."""
+    live."""
     if x is False or y is False:
         return False
-    lc, rc, lb, rb, lf, rf = _dot_dims(eqn)
+    if x is True and y is True:
+        return True
     a, b = eqn.invars
-    out = _shape(eqn.outvars[0])
-    nb, nl = len(lb), len(lf)
-    if y is True:
-        rest = [i for i in range(len(_shape(a))) if i not in lc]
-        return _spread(_any(ops.array(x, _shape(a)), lc), [lb.index(i) if i in lb else nb + lf.index(i)
-                                                            for i in rest], out)
-    if x is True:
-        rest = [i for i in range(len(_shape(b))) if i not in rc]
-        return _spread(_any(ops.array(y, _shape(b)), rc), [rb.index(i) if i in rb else nb + nl + rf.index(i)
-                                                            for i in rest], out)
-    return _bool_dot(ops.array(x, _shape(a)), ops.array(y, _shape(b)), eqn)
+    return mask_ops.dot_up(eqn, None if x is True else ops.array(x, _shape(a)),
+                           None if y is True else ops.array(y, _shape(b)))
 
 
 def _reduce_chosen_up(ops: _Ops, values: Values | None, eqn: compat.JaxprEqn, live: Live) -> jax.Array:
@@ -426,6 +389,9 @@ def _prod_live(ops: _Ops, values: Values | None, eqn: compat.JaxprEqn, live: Liv
 
 
 def _apply_structural(ops: _Ops, values: Values | None, eqn: compat.JaxprEqn, ins: list[Live]) -> jax.Array:
+    if eqn.primitive.name in mask_ops.BOOLEAN:  # the op itself on the masks
+        return mask_ops.structural(eqn, [ops.array(x, _shape(atom)) if _inexact(atom) else _value(values, atom)
+                                         for x, atom in zip(ins, eqn.invars)])
     args = [_as_f32(ops, x, atom) if _inexact(atom) else _value(values, atom) for x, atom in zip(ins, eqn.invars)]
     out: jax.Array = compat.bind_primitive(eqn.primitive, args, dict(eqn.params))[0]
     return out > 0
@@ -543,38 +509,19 @@ def _dot_down(ops: _Ops, values: Values | None, eqn: compat.JaxprEqn, ins: list[
 
 def _dot_back(ops: _Ops, eqn: compat.JaxprEqn, d: Live, other: Live, side: int) -> Live:
     """Down through ``dot_general`` to operand ``side``: where some term it enters meets a live output
-    element (``d``) and a factor of the other operand that is not a masking zero (``other``). With ``d`` or
-    ``other`` live everywhere, a reduction; else the transposed matrix product of the masks."""
+    element (``d``) and a factor of the other operand that is not a masking zero (``other``)."""
     if d is False or other is False:
         return False
-    lc, rc, lb, rb, lf, rf = _dot_dims(eqn)
-    if side:  # the rhs: the same with the roles of the operands swapped
-        lc, rc, lb, rb, lf, rf = rc, lc, rb, lb, rf, lf
-    out = _shape(eqn.outvars[0])
-    mine, theirs = _shape(eqn.invars[side]), _shape(eqn.invars[1 - side])
-    nb, nl, nr = len(lb), len(lf), len(rf)
-    # the output's positions of this operand's free dimensions, and of the other's
-    own = list(range(nb, nb + nl)) if not side else list(range(nb + nr, nb + nr + nl))
-    others = list(range(nb + nl, nb + nl + nr)) if not side else list(range(nb, nb + nr))
-    if other is True:
-        rest = [p for p in range(len(out)) if p not in others]
-        return _spread(_any(ops.array(d, out), others), [lb[p] if p < nb else lf[own.index(p)] for p in rest], mine)
-    if d is True:
-        rest = [i for i in range(len(theirs)) if i not in rf]
-        return _spread(_any(ops.array(other, theirs), rf), [lb[rb.index(i)] if i in rb else lc[rc.index(i)]
-                                                            for i in rest], mine)
-    x = ops.array(other, theirs).astype(jnp.float32)
-
-    def dot(p: jax.Array) -> jax.Array:
-        return lax.dot_general(*((p, x) if not side else (x, p)), eqn.params["dimension_numbers"],
-                               precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-
-    (ct,) = jax.linear_transpose(dot, jax.ShapeDtypeStruct(mine, jnp.float32))(ops.array(d, out).astype(jnp.float32))
-    back: jax.Array = ct > 0
-    return back
+    if d is True and other is True:
+        return True
+    return mask_ops.dot_back(eqn, None if d is True else ops.array(d, _shape(eqn.outvars[0])),
+                             None if other is True else ops.array(other, _shape(eqn.invars[1 - side])), side)
 
 
 def _transpose_structural(ops: _Ops, values: Values | None, eqn: compat.JaxprEqn, d: Live) -> list[Live]:
+    back = mask_ops.transpose_structural(eqn, ops.array(d, _shape(eqn.outvars[0])))
+    if back is not None:
+        return back
     idx = [i for i, atom in enumerate(eqn.invars) if _inexact(atom)]
     fixed = {i: _value(values, atom) for i, atom in enumerate(eqn.invars) if i not in idx}
 
