@@ -268,8 +268,13 @@ def _up_rule(ops: _Ops, values: Values | None, eqn: compat.JaxprEqn, ins: list[L
             return True
         if all(c is False for c in cases):
             return False
-        return ops.runtime(lambda: lax.select_n(jnp.asarray(_value(values, a[0])),
-                                                *[ops.array(c, _shape(out)) for c in cases]))
+        if ops.static:
+            return DYN
+        p = jnp.asarray(_value(values, a[0]))
+        if len(cases) == 2 and p.dtype == bool:  # the predicate itself, no select of masks
+            p = jnp.broadcast_to(p, _shape(out))
+            return ops.or_(ops.and_(cases[0], jnp.logical_not(p)), ops.and_(cases[1], p))
+        return lax.select_n(p, *[ops.array(c, _shape(out)) for c in cases])
     if name == "mul":
         return ops.or_(ops.and_(ins[0], _nonzero(ops, values, ins[1], a[1])),
                        ops.and_(ins[1], _nonzero(ops, values, ins[0], a[0])))
@@ -354,19 +359,20 @@ def _dot_up(ops: _Ops, values: Values | None, eqn: compat.JaxprEqn, ins: list[Li
         return True
     if ops.static:
         return DYN
-    return ops.or_(_dot_term(ops, eqn, ins[0], nz_b), _dot_term(ops, eqn, nz_a, ins[1]))
+    return ops.or_(_dot_mask(ops, eqn, ins[0], nz_b), _dot_mask(ops, eqn, nz_a, ins[1]))
 
 
-def _dot_term(ops: _Ops, eqn: compat.JaxprEqn, x: Live, y: Live) -> Live:
-    """Up through ``dot_general``: where some contracted term of the lhs mask ``x`` and the rhs mask ``y`` is
-    live."""
+def _dot_mask(ops: _Ops, eqn: compat.JaxprEqn, x: Live, y: Live, side: int | None = None) -> Live:
+    """``dot_general``'s masks (core/mask_ops.py): up (``side`` None; ``x``, ``y``: the lhs's and rhs's), or
+    down to operand ``side`` (``x``: the output's, ``y``: the other operand's nonzero factors)."""
     if x is False or y is False:
         return False
     if x is True and y is True:
         return True
-    a, b = eqn.invars
-    return mask_ops.dot_up(eqn, None if x is True else ops.array(x, _shape(a)),
-                           None if y is True else ops.array(y, _shape(b)))
+    shapes = [_shape(atom) for atom in (*eqn.invars, eqn.outvars[0])]
+    x_, y_ = (None if m is True else ops.array(m, sh) for m, sh in
+              zip((x, y), (shapes[0], shapes[1]) if side is None else (shapes[2], shapes[1 - side])))
+    return mask_ops.dot_up(eqn, x_, y_) if side is None else mask_ops.dot_back(eqn, x_, y_, side)
 
 
 def _reduce_chosen_up(ops: _Ops, values: Values | None, eqn: compat.JaxprEqn, live: Live) -> jax.Array:
@@ -504,18 +510,7 @@ def _dot_down(ops: _Ops, values: Values | None, eqn: compat.JaxprEqn, ins: list[
         return [True, True]
     if ops.static:
         return [DYN, DYN]
-    return [_dot_back(ops, eqn, d, nz[1], 0), _dot_back(ops, eqn, d, nz[0], 1)]
-
-
-def _dot_back(ops: _Ops, eqn: compat.JaxprEqn, d: Live, other: Live, side: int) -> Live:
-    """Down through ``dot_general`` to operand ``side``: where some term it enters meets a live output
-    element (``d``) and a factor of the other operand that is not a masking zero (``other``)."""
-    if d is False or other is False:
-        return False
-    if d is True and other is True:
-        return True
-    return mask_ops.dot_back(eqn, None if d is True else ops.array(d, _shape(eqn.outvars[0])),
-                             None if other is True else ops.array(other, _shape(eqn.invars[1 - side])), side)
+    return [_dot_mask(ops, eqn, d, nz[1], 0), _dot_mask(ops, eqn, d, nz[0], 1)]
 
 
 def _transpose_structural(ops: _Ops, values: Values | None, eqn: compat.JaxprEqn, d: Live) -> list[Live]:
