@@ -128,8 +128,8 @@ def transpose_structural(eqn: compat.JaxprEqn, d: jax.Array) -> list[Any] | None
     if name == "rev":
         return [lax.rev(d, tuple(eqn.params["dimensions"])), *rest]
     if name == "reduce_sum":
-        axes = set(eqn.params["axes"])
-        return [lax.broadcast_in_dim(d, shape, tuple(i for i in range(len(shape)) if i not in axes)), *rest]
+        summed = set(eqn.params["axes"])
+        return [lax.broadcast_in_dim(d, shape, tuple(i for i in range(len(shape)) if i not in summed)), *rest]
     if name == "broadcast_in_dim" and len(eqn.invars) == 1:
         dims = tuple(eqn.params["broadcast_dimensions"])
         out = d.shape
