@@ -61,3 +61,74 @@ def test_masked_elements(name):
     np.testing.assert_array_equal(got, want)
     # statically: a mask is possible exactly where one is found at run time
     assert (static[op][0] is L.DYN) == bool(np.any(want))
+
+
+# dot_general's liveness against a brute-force reference: every contracted term of the 0/1 masks, by einsum.
+DOTS = {  # name: (lhs shape, rhs shape, ((lhs contracting, rhs contracting), (lhs batch, rhs batch)))
+    "matvec": ((3, 4), (4,), (((1,), (0,)), ((), ()))),
+    "matmul": ((2, 3), (3, 4), (((1,), (0,)), ((), ()))),
+    "batched_attention": ((2, 3, 2, 4), (2, 5, 2, 4), (((3,), (3,)), ((0, 2), (0, 2)))),
+    "batch_after_free": ((3, 2, 4), (4, 2, 5), (((2,), (0,)), ((1,), (1,)))),
+    "two_contracted": ((2, 3, 4), (4, 3, 2), (((1, 2), (1, 0)), ((), ()))),
+    "outer": ((3,), (2,), (((), ()), ((), ()))),
+}
+
+
+def _einsum_dims(sa, sb, dn):
+    (lc, rc), (lb, rb) = dn
+    letters = iter("abcdefghijklmnop")
+    la = [next(letters) for _ in sa]
+    lb_ = [next(letters) for _ in sb]
+    for i, j in zip((*lc, *lb), (*rc, *rb)):
+        lb_[j] = la[i]
+    out = [la[i] for i in lb] + [la[i] for i in range(len(sa)) if i not in lc and i not in lb] + \
+          [lb_[j] for j in range(len(sb)) if j not in rc and j not in rb]
+    return "".join(la), "".join(lb_), "".join(out)
+
+
+@pytest.mark.parametrize("name", sorted(DOTS))
+def test_dot_general_liveness_matches_brute_force(name):
+    sa, sb, dn = DOTS[name]
+    ea, eb, eo = _einsum_dims(sa, sb, dn)
+    closed = jax.make_jaxpr(lambda x, y: jax.lax.dot_general(x, y, dn))(jnp.zeros(sa), jnp.zeros(sb))
+    (eqn,) = closed.jaxpr.eqns
+    so = tuple(eqn.outvars[0].aval.shape)
+    rng = np.random.default_rng(sum(map(ord, name)))
+    ops = L._Ops(False)
+
+    def pattern(shape, kind):
+        return {"all": True, "none": False, "some": rng.random(shape) < 0.4}[kind]
+
+    def full(live, shape):
+        return np.broadcast_to(np.asarray(live, bool), shape).astype(np.int64)
+
+    trials, wants = [], []
+    for ka, kb, kz in [(p, q, r) for p in ("all", "some", "none") for q in ("all", "some") for r in ("all", "some")]:
+        up_a, up_b, d = pattern(sa, ka), pattern(sb, kb), pattern(so, kz)
+        # a factor is a masking zero where it does not vary and its value is 0
+        va = np.where(rng.random(sa) < 0.5, 0.0, 1.0).astype(np.float32)
+        vb = np.where(rng.random(sb) < 0.5, 0.0, 1.0).astype(np.float32)
+        nz_a, nz_b = full(up_a, sa) | (va != 0), full(up_b, sb) | (vb != 0)
+        want_up = (np.einsum(f"{ea},{eb}->{eo}", full(up_a, sa), nz_b)
+                   + np.einsum(f"{ea},{eb}->{eo}", nz_a, full(up_b, sb))) > 0
+        want_a = np.einsum(f"{eo},{eb}->{ea}", full(d, so), nz_b) > 0
+        want_b = np.einsum(f"{eo},{ea}->{eb}", full(d, so), nz_a) > 0
+        trials.append((f"{ka}/{kb}/{kz}", up_a, up_b, d, va, vb))
+        wants.append((want_up, want_a, want_b))
+
+    def run(trials):
+        got = []
+        for _, up_a, up_b, d, va, vb in trials:
+            values = {eqn.invars[0]: jnp.asarray(va), eqn.invars[1]: jnp.asarray(vb)}.__getitem__
+            up = L._dot_up(ops, values, eqn, [up_a, up_b])
+            down = L._dot_down(ops, values, eqn, [up_a, up_b], d)
+            got.append([ops.array(x, s) for x, s in zip((up, *down), (so, sa, sb))])
+        return got
+
+    # under jit every case; without, a few (each op dispatched on its own is slow)
+    for jit, picked in ((True, range(len(trials))), (False, (1, 9, 11))):
+        some = [trials[i] for i in picked]
+        got = jax.jit(lambda some=some: run(some))() if jit else run(some)
+        for i, g3 in zip(picked, got):
+            for g, w, what in zip(g3, wants[i], ("up", "down lhs", "down rhs")):
+                np.testing.assert_array_equal(np.asarray(g), w, err_msg=f"{name} {what} {trials[i][0]} jit={jit}")

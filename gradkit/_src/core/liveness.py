@@ -41,7 +41,7 @@ import numpy as np
 from jax import lax
 
 from gradkit._src import compat
-from gradkit._src.core import walk
+from gradkit._src.core import mask_ops, walk
 
 
 class _Dyn:
@@ -191,19 +191,28 @@ def _nonzero(ops: _Ops, values: Values | None, up: Live, atom: compat.Atom) -> L
 
 
 def up_pass(jaxpr: compat.Jaxpr, values: Values | None,
-            nonzero_constant: Callable[[compat.Atom], bool] | None = None) -> dict[compat.Var, Live]:
-    """For each variable: where some unmasked path from the program's inputs reaches it."""
+            nonzero_constant: Callable[[compat.Atom], bool] | None = None,
+            static: dict[compat.Var, Live] | None = None, need: set[compat.Var] | None = None
+            ) -> dict[compat.Var, Live]:
+    """For each variable: where some unmasked path from the program's inputs reaches it.
+
+    With ``static`` (the static pass's answer) and ``need`` (:func:`demand`), only the variables in ``need``
+    are computed; every other one keeps its static liveness."""
     ops = _Ops(values is None, nonzero_constant)
     up: dict[compat.Var, Live] = {}
     for v in jaxpr.invars:
         up[v] = _inexact(v)
     for v in jaxpr.constvars:
         up[v] = False
+    if static is not None:
+        up.update(static)
 
     def get(a: compat.Atom) -> Live:
         return False if isinstance(a, compat.Literal) else up.get(a, False)
 
     for eqn in jaxpr.eqns:
+        if need is not None and not any(v in need for v in eqn.outvars):
+            continue
         name = eqn.primitive.name
         ins = [get(a) for a in eqn.invars]
         outs: list[Live]
@@ -259,8 +268,13 @@ def _up_rule(ops: _Ops, values: Values | None, eqn: compat.JaxprEqn, ins: list[L
             return True
         if all(c is False for c in cases):
             return False
-        return ops.runtime(lambda: lax.select_n(jnp.asarray(_value(values, a[0])),
-                                                *[ops.array(c, _shape(out)) for c in cases]))
+        if ops.static:
+            return DYN
+        p = jnp.asarray(_value(values, a[0]))
+        if len(cases) == 2 and p.dtype == bool:  # the predicate itself, no select of masks
+            p = jnp.broadcast_to(p, _shape(out))
+            return ops.or_(ops.and_(cases[0], jnp.logical_not(p)), ops.and_(cases[1], p))
+        return lax.select_n(p, *[ops.array(c, _shape(out)) for c in cases])
     if name == "mul":
         return ops.or_(ops.and_(ins[0], _nonzero(ops, values, ins[1], a[1])),
                        ops.and_(ins[1], _nonzero(ops, values, ins[0], a[0])))
@@ -345,13 +359,20 @@ def _dot_up(ops: _Ops, values: Values | None, eqn: compat.JaxprEqn, ins: list[Li
         return True
     if ops.static:
         return DYN
-    dn = eqn.params["dimension_numbers"]
+    return ops.or_(_dot_mask(ops, eqn, ins[0], nz_b), _dot_mask(ops, eqn, nz_a, ins[1]))
 
-    def dot(x: jax.Array, y: jax.Array) -> jax.Array:
-        return lax.dot_general(x, y, dn, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
-    total = dot(_as_f32(ops, ins[0], a), _as_f32(ops, nz_b, b)) + dot(_as_f32(ops, nz_a, a), _as_f32(ops, ins[1], b))
-    return total > 0
+def _dot_mask(ops: _Ops, eqn: compat.JaxprEqn, x: Live, y: Live, side: int | None = None) -> Live:
+    """``dot_general``'s masks (core/mask_ops.py): up (``side`` None; ``x``, ``y``: the lhs's and rhs's), or
+    down to operand ``side`` (``x``: the output's, ``y``: the other operand's nonzero factors)."""
+    if x is False or y is False:
+        return False
+    if x is True and y is True:
+        return True
+    shapes = [_shape(atom) for atom in (*eqn.invars, eqn.outvars[0])]
+    x_, y_ = (None if m is True else ops.array(m, sh) for m, sh in
+              zip((x, y), (shapes[0], shapes[1]) if side is None else (shapes[2], shapes[1 - side])))
+    return mask_ops.dot_up(eqn, x_, y_) if side is None else mask_ops.dot_back(eqn, x_, y_, side)
 
 
 def _reduce_chosen_up(ops: _Ops, values: Values | None, eqn: compat.JaxprEqn, live: Live) -> jax.Array:
@@ -374,26 +395,38 @@ def _prod_live(ops: _Ops, values: Values | None, eqn: compat.JaxprEqn, live: Liv
 
 
 def _apply_structural(ops: _Ops, values: Values | None, eqn: compat.JaxprEqn, ins: list[Live]) -> jax.Array:
+    if eqn.primitive.name in mask_ops.BOOLEAN:  # the op itself on the masks
+        return mask_ops.structural(eqn, [ops.array(x, _shape(atom)) if _inexact(atom) else _value(values, atom)
+                                         for x, atom in zip(ins, eqn.invars)])
     args = [_as_f32(ops, x, atom) if _inexact(atom) else _value(values, atom) for x, atom in zip(ins, eqn.invars)]
     out: jax.Array = compat.bind_primitive(eqn.primitive, args, dict(eqn.params))[0]
     return out > 0
 
 
 def down_pass(jaxpr: compat.Jaxpr, values: Values | None, up: dict[compat.Var, Live],
-              nonzero_constant: Callable[[compat.Atom], bool] | None = None) -> dict[compat.Var, Live]:
-    """For each variable: where some unmasked path from it reaches the program's outputs."""
+              nonzero_constant: Callable[[compat.Atom], bool] | None = None,
+              static: dict[compat.Var, Live] | None = None, need: set[compat.Var] | None = None
+              ) -> dict[compat.Var, Live]:
+    """For each variable: where some unmasked path from it reaches the program's outputs (``static`` and
+    ``need``: as :func:`up_pass`)."""
     ops = _Ops(values is None, nonzero_constant)
     down: dict[compat.Var, Live] = {}
+    if static is not None:
+        down.update((v, x) for v, x in static.items() if need is None or v not in need)
 
     def add(atom: compat.Atom, live: Live) -> None:
         if isinstance(atom, compat.Literal) or up.get(atom, False) is False:
             return  # nothing varies there: no derivative to mask
+        if need is not None and atom not in need:
+            return
         down[atom] = ops.or_(down.get(atom, False), _fit(live, atom, reduce=True))
 
     for v in jaxpr.outvars:
         if not isinstance(v, compat.Literal) and _inexact(v):
             add(v, True)
     for eqn in reversed(jaxpr.eqns):
+        if need is not None and not any(a in need for a in eqn.invars if not isinstance(a, compat.Literal)):
+            continue
         d_outs = [down.get(v, False) for v in eqn.outvars]
         if all(d is False for d in d_outs):
             continue
@@ -477,19 +510,13 @@ def _dot_down(ops: _Ops, values: Values | None, eqn: compat.JaxprEqn, ins: list[
         return [True, True]
     if ops.static:
         return [DYN, DYN]
-    dn = eqn.params["dimension_numbers"]
-    d_f = ops.array(d, _shape(eqn.outvars[0])).astype(jnp.float32)
-    fa, fb = _as_f32(ops, nz[0], a), _as_f32(ops, nz[1], b)
-
-    def dot(x: jax.Array, y: jax.Array) -> jax.Array:
-        return lax.dot_general(x, y, dn, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-
-    _, vjp = jax.vjp(dot, fa, fb)
-    ga, gb = vjp(d_f)
-    return [ga > 0, gb > 0]
+    return [_dot_mask(ops, eqn, d, nz[1], 0), _dot_mask(ops, eqn, d, nz[0], 1)]
 
 
 def _transpose_structural(ops: _Ops, values: Values | None, eqn: compat.JaxprEqn, d: Live) -> list[Live]:
+    back = mask_ops.transpose_structural(eqn, ops.array(d, _shape(eqn.outvars[0])))
+    if back is not None:
+        return back
     idx = [i for i, atom in enumerate(eqn.invars) if _inexact(atom)]
     fixed = {i: _value(values, atom) for i, atom in enumerate(eqn.invars) if i not in idx}
 
@@ -508,6 +535,40 @@ def _transpose_structural(ops: _Ops, values: Values | None, eqn: compat.JaxprEqn
     for i, ct in zip(idx, cts):
         out[i] = ct > 0
     return out
+
+
+def demand(jaxpr: compat.Jaxpr, up: dict[compat.Var, Live], down: dict[compat.Var, Live],
+           eqns: Sequence[compat.JaxprEqn]) -> tuple[set[compat.Var], set[compat.Var]]:
+    """The variables whose liveness the masks of ``eqns`` need at run time: static :data:`DYN` (``up``,
+    ``down``: the static passes) on the way to them — up from the producers, down from the consumers.
+    Every other variable's static liveness is its value."""
+    producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+    consumers: dict[compat.Var, list[compat.JaxprEqn]] = {}
+    for e in jaxpr.eqns:
+        if e.primitive.name not in _NO_DERIVATIVE:
+            for a in e.invars:
+                if not isinstance(a, compat.Literal):
+                    consumers.setdefault(a, []).append(e)
+    need_up: set[compat.Var] = set()
+    need_down: set[compat.Var] = set()
+    stack: list[tuple[bool, compat.Atom]] = [(True, a) for e in eqns for a in e.invars]
+    stack.extend((False, v) for e in eqns for v in e.outvars)
+    while stack:
+        is_up, v = stack.pop()
+        if isinstance(v, compat.Literal):
+            continue
+        seen, live = (need_up, up) if is_up else (need_down, down)
+        if v in seen or not isinstance(live.get(v), _Dyn):
+            continue
+        seen.add(v)
+        if is_up:
+            p = producer.get(v)
+            stack.extend((True, a) for a in (p.invars if p is not None else ()))
+        else:
+            for c in consumers.get(v, ()):
+                stack.extend((False, o) for o in c.outvars)
+                stack.extend((True, a) for a in c.invars)
+    return need_up, need_down
 
 
 def dead(eqn: compat.JaxprEqn, up: dict[compat.Var, Live], down: dict[compat.Var, Live], ops_static: bool

@@ -72,11 +72,14 @@ def rewrite(jaxpr: Any, match: Match, keep: Keep, names: frozenset[str], outer: 
     if not reached:
         return _place(jaxpr, core, flat) if changed[0] else jaxpr
 
+    # Only the liveness the static passes left open (DYN) on the way to a reached equation is computed.
+    need_up, need_down = liveness.demand(fj, up_s, down_s, [fj.eqns[i] for i in reached])
+
     def masked_fn(*args: Any) -> list[Any]:
         values = _Values(fj, fc, args)
         with jax.numpy_dtype_promotion("standard"):  # gradkit's own arithmetic, whatever the user's setting
-            up = liveness.up_pass(fj, values, known.__contains__)
-            down = liveness.down_pass(fj, values, up, known.__contains__)
+            up = liveness.up_pass(fj, values, known.__contains__, up_s, need_up)
+            down = liveness.down_pass(fj, values, up, known.__contains__, down_s, need_down)
         env: dict[Any, Any] = dict(zip(fj.constvars, fc))
         env.update(zip(fj.invars, args))
         for i, eqn in enumerate(fj.eqns):
