@@ -365,6 +365,20 @@ def polar_loss(a, m):
     return jnp.sum((u @ vt) * m)
 
 
+def _plain_is_wrong(loss, a, m, want):
+    """JAX's own gradient is NaN or wrong at a repeated singular value: the failure the rule fixes.
+
+    JAX 0.8 and 0.9 raise NotImplementedError for the derivative of ``svd(full_matrices=True)`` at every
+    matrix (0.10 added it for square ones): there JAX has no gradient to compare, and gradkit's rule gives one.
+    """
+    try:
+        plain = np.asarray(jax.jit(jax.grad(loss))(a, m), np.float64)
+    except NotImplementedError:
+        assert jax.__version_info__ < (0, 10), "JAX 0.10+ differentiates a square full-matrices svd"
+        return True
+    return not np.all(np.isfinite(plain)) or np.max(np.abs(plain - want)) > 1e-3 * np.max(np.abs(want))
+
+
 def _polar_grad(a, m):
     """d tr(Q^T m)/dA, Q = U V^T: dQ = U (H o (dS - dS^T)) V^T, H_ij = 1/(s_i + s_j) (exact)."""
     u, s, vt = np.linalg.svd(np.asarray(a, np.float64))
@@ -389,8 +403,7 @@ def test_svd_polar_factor_at_repeated_singular_values(name, dtype):
     want = _polar_grad(a64, m64)
     with jax.enable_x64(dtype == np.float64):
         a, m = jnp.asarray(a64, dtype), jnp.asarray(m64, dtype)
-        plain = np.asarray(jax.jit(jax.grad(polar_loss))(a, m), np.float64)
-        assert not np.all(np.isfinite(plain)) or np.max(np.abs(plain - want)) > 1e-3 * np.max(np.abs(want))
+        assert _plain_is_wrong(polar_loss, a, m, want)
         _close(jax.jit(jax.grad(gk.override(polar_loss, B)))(a, m), want, {np.float64: 1e-8, np.float32: 5e-5}[dtype])
         polar = lambda x: jnp.sum(jax.scipy.linalg.polar(x, method="svd")[0] * m)
         _close(jax.grad(gk.override(polar, B))(a), want, {np.float64: 1e-8, np.float32: 5e-5}[dtype])
@@ -421,8 +434,7 @@ def test_svd_cluster_projectors(dtype):
         want = _fd(lambda x: cluster_loss(x, m64), a64)
         with jax.enable_x64(dtype == np.float64):
             a, m = jnp.asarray(a64, dtype), jnp.asarray(m64, dtype)
-            plain = np.asarray(jax.jit(jax.grad(cluster_loss))(a, m), np.float64)
-            assert not np.all(np.isfinite(plain)) or np.max(np.abs(plain - want)) > 1e-3 * np.max(np.abs(want))
+            assert _plain_is_wrong(cluster_loss, a, m, want)
             _close(jax.grad(gk.override(cluster_loss, B))(a, m), want, {np.float64: 1e-7, np.float32: 5e-5}[dtype])
 
 

@@ -220,8 +220,9 @@ def log_or_sqrt(w, x, y):
 
 
 def test_the_step_is_unknown_when_an_earlier_wrapped_call_was_still_running():
-    # XLA:CPU runs a cheap program inside its call; 60 dependent 400x400 products run asynchronously
-    slow = jax.jit(lambda x: jax.lax.fori_loop(0, 60, lambda i, c: jnp.tanh(c @ c), x))
+    # XLA:CPU runs a cheap program inside its call; 200 dependent 400x400 products run asynchronously (long enough
+    # that a loaded machine does not finish them before the call returns)
+    slow = jax.jit(lambda x: jax.lax.fori_loop(0, 200, lambda i, c: jnp.tanh(c @ c), x))
     g = gk.guard(log_or_sqrt, on_nonfinite="report")
     guarded = jax.jit(lambda w, x, y: g(w, x, y))
 

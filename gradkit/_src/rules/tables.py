@@ -92,7 +92,7 @@ def broadened(eps: float | None = None) -> RuleTable:
     Examples:
       >>> import jax, jax.numpy as jnp, gradkit as gk
       >>> def rotation(a):  # the rotation nearest to a (Kabsch): the polar factor u @ vt
-      ...     u, s, vt = jnp.linalg.svd(a)
+      ...     u, s, vt = jnp.linalg.svd(a, full_matrices=False)
       ...     return (u @ vt)[0, 1]
       >>> jax.grad(rotation)(jnp.eye(2))  # s = (1, 1): 1/(s_j^2 - s_i^2) = inf
       Array([[nan, nan],
