@@ -350,7 +350,12 @@ def _every_route(case):
 # --------------------------------------------------------------------------- the cases
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+# the three cases over 2.5 s each on 2 cores (audits that re-run many routes) run in the slow set
+_SLOW_CASES = {"poisson_nll", "exp_overflow", "norm_of_zero_row"}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.name, marks=[pytest.mark.slow] if c.name in _SLOW_CASES else [])
+                                  for c in CASES])
 def test_first_suggestion_applied_as_reported_fixes_the_gradient(case):
     assert not all(np.all(np.isfinite(g)) for g in _grads(case.fn, case)), "the case must break plain jax.grad"
     r = _report(case)

@@ -29,6 +29,20 @@ def run(*args, module=False, cwd=ROOT):
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.fixture
+def in_process(capsys, monkeypatch):
+    """``main(args)`` in this process, as a finished subprocess (its exit code, stdout, stderr): the command's
+    own behaviour without another import of JAX."""
+    monkeypatch.chdir(ROOT)
+
+    def call(*args):
+        rc = main(list(args))
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(list(args), rc, out, err)
+
+    return call
+
+
 @pytest.fixture(scope="module")
 def finite_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("cli") / "model.py"
@@ -94,16 +108,16 @@ def test_json_report_parses_and_exit_codes(finite_file):
     (("audit", "examples/unstable_losses.py:angle_loss", "--arg", "f32[6,2", "--arg", "f32[6]"),
      "[gradkit] cannot parse input spec 'f32[6,2': expected DTYPE[SHAPE][:VALUES]"),
 ])
-def test_bad_arguments_get_one_line_and_exit_2(args, message):
-    p = run(*args)
+def test_bad_arguments_get_one_line_and_exit_2(args, message, in_process):
+    p = in_process(*args)
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(message), p.stderr
     assert p.stdout == ""
 
 
-def test_rules_command_lists_the_tables():
-    p = run("rules")
+def test_rules_command_lists_the_tables(in_process):
+    p = in_process("rules")
     assert p.returncode == 0, p.stderr
     assert "gradkit.tables.SAFE" in p.stdout and "gradkit.tables.STABLE" in p.stdout
     assert "gradkit.tables.STABLE_FUNCTIONS" in p.stdout

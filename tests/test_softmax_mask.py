@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import gradkit as gk
+from budget import covering
 
 TABLE = gk.tables.SAFE | {"exp": "safe", "dot_general": "safe"}
 MASK = np.array([[True, False, True, True], [False, False, False, False], [True, True, False, True]])
@@ -62,9 +63,7 @@ def _inputs(dtype):
 FNS = [where_masked, bias_masked, log_softmax_masked]
 
 
-@pytest.mark.parametrize("fn", FNS, ids=lambda f: f.__name__)
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("fn,dtype,jit", covering(FNS, ["float32", "float64"], [False, True]))
 def test_rule_route_matches_the_float64_reference_in_both_modes(fn, dtype, jit):
     with jax.enable_x64(dtype == "float64"):
         scores, v = _inputs(dtype)
@@ -124,7 +123,7 @@ def test_batched_attention_einsum_with_heads():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("fn", [where_masked, bias_masked], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("fn", covering([where_masked, bias_masked]))
 def test_audit_proposes_and_verifies_the_rule_route(fn):
     scores, v = _inputs("float32")
     r = gk.audit(fn, scores, v)

@@ -1,0 +1,23 @@
+"""The default set's budget for parametrized class tests (issue 38): a covering half runs by default, all in the slow set.
+
+``covering(*axes)`` gives one ``pytest.param`` per combination of the axes' values; a combination whose
+indices sum to an odd number is marked ``slow``. With two or more values on each axis, every value of every
+axis, and every pair of values of any two axes with a third to balance them, stays in the default set.
+"""
+
+import itertools
+
+import pytest
+
+
+def _id(v):
+    return getattr(v, "__name__", None) or str(v)
+
+
+def covering(*axes):
+    params = []
+    for idx in itertools.product(*(range(len(a)) for a in axes)):
+        values = tuple(a[i] for a, i in zip(axes, idx))
+        marks = [pytest.mark.slow] if sum(idx) % 2 else []
+        params.append(pytest.param(*values, marks=marks, id="-".join(map(_id, values))))
+    return params
