@@ -1,4 +1,4 @@
-"""The default set's budget for parametrized class tests (issue 38): a covering half runs by default, all in the slow set.
+"""The default set's budget for parametrized class tests (issue 38): a covering half by default, all in the slow set.
 
 ``covering(*axes)`` gives one ``pytest.param`` per combination of the axes' values; a combination whose
 indices sum to an odd number is marked ``slow``. With two or more values on each axis, every value of every

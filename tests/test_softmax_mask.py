@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from budget import covering
 
 import gradkit as gk
-from budget import covering
 
 TABLE = gk.tables.SAFE | {"exp": "safe", "dot_general": "safe"}
 MASK = np.array([[True, False, True, True], [False, False, False, False], [True, True, False, True]])
