@@ -24,6 +24,7 @@ from gradkit._src.core.rule import jvp_rule as jvp_rule
 from gradkit._src.core.rule import vjp_rule as vjp_rule
 from gradkit._src.core.table import RuleTable as RuleTable
 from gradkit._src.errors import GradkitError as GradkitError
+from gradkit._src.errors import GradkitWarning as GradkitWarning
 from gradkit._src.function_gradients.custom_gradient import custom_gradient as custom_gradient
 from gradkit._src.function_gradients.custom_gradient import custom_jvp as custom_jvp
 from gradkit._src.guard.guard import Guard as Guard
@@ -40,6 +41,7 @@ __all__ = [
     "Comparison",
     "GradCheckReport",
     "GradkitError",
+    "GradkitWarning",
     "Guard",
     "GuardReport",
     "NonFiniteGradientError",

@@ -25,7 +25,10 @@ from gradkit._src.attribution.lrp import EPSILON_ALPHA2_BETA1_FLAT as EPSILON_AL
 from gradkit._src.attribution.lrp import EPSILON_GAMMA_BOX as EPSILON_GAMMA_BOX
 from gradkit._src.attribution.lrp import EPSILON_PLUS as EPSILON_PLUS
 from gradkit._src.attribution.lrp import EPSILON_PLUS_FLAT as EPSILON_PLUS_FLAT
+from gradkit._src.attribution.lrp import FORMS as FORMS
 from gradkit._src.attribution.lrp import KINDS as KINDS
+from gradkit._src.attribution.lrp import STRUCTURAL_OPS as STRUCTURAL_OPS
+from gradkit._src.attribution.lrp import LrpReport as LrpReport
 from gradkit._src.attribution.lrp import Composite as Composite
 from gradkit._src.attribution.lrp import lrp as lrp
 from gradkit._src.attribution.lrp_rules import LrpRule as LrpRule
@@ -49,8 +52,11 @@ __all__ = [
     "EPSILON_PLUS",
     "EPSILON_PLUS_FLAT",
     "GUIDED_BACKPROP",
+    "FORMS",
     "KINDS",
+    "LrpReport",
     "LrpRule",
+    "STRUCTURAL_OPS",
     "alpha_beta",
     "deconvnet",
     "epsilon",

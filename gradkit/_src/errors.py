@@ -30,6 +30,20 @@ class GradkitError(Exception):
         super().__init__(message)
 
 
+class GradkitWarning(UserWarning):
+    """Warned when gradkit computes something it cannot vouch for; the message starts with ``[gradkit]``.
+
+    E.g. :func:`gradkit.attribution.lrp` warns of an op on the relevance path
+    that no rule covers. Turn it into an error with Python's ``warnings``
+    filters (or ``lrp(..., strict=True)``).
+
+    Examples:
+      >>> import gradkit as gk
+      >>> issubclass(gk.GradkitWarning, UserWarning)
+      True
+    """
+
+
 def callable_name(fn: object, *, module: bool = False) -> str:
     """The name messages give a function: its qualified name, else its name, else its type's name.
 

@@ -3,19 +3,28 @@
 A **composite** maps a layer kind to the :class:`~.lrp_rules.LrpRule` that
 layer passes relevance back by. Kinds (found by dataflow, see
 ``compat/layers.py``): ``"dense"``, ``"conv"``, ``"avg_pool"``,
-``"max_pool"``, ``"activation"``, and two that name one layer:
+``"max_pool"``, ``"activation"``, ``"sum"`` (an add of two values that both
+depend on the input: a residual connection), and two that name one layer:
 ``"first"`` (the first dense or conv layer, in program order) and
 ``"first_conv"`` (the first conv layer, when ``"first"`` did not take it).
 :func:`lrp` traces the model once, then runs its program with each layer
 wrapped in a ``jax.custom_vjp`` whose backward pass is its rule, and pulls
-the one-hot (or given) output cotangent back to the input. Everything else
-(reshapes, the flatten, a residual add) keeps its gradient, as in Zennit.
+the one-hot (or given) output cotangent back to the input.
+
+A composite also has a **relevance form** (:attr:`Composite.form`). Zennit's
+composites use ``"relevance"``: the cotangent carried backward *is* the
+relevance, so the one-hot seed gives ``ΣR ≈ 1`` (less what biases and
+stabilizers absorb), and an op that keeps its gradient must not copy
+relevance (a residual add would hand all of it to both branches: hence the
+``"sum"`` kind). Structural ops (reshapes, the flatten, slices) keep their
+gradient, as in Zennit.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,28 +33,42 @@ from gradkit._src import compat
 from gradkit._src.attribution import lrp_rules as rules
 from gradkit._src.attribution.attribution import _cotangent
 from gradkit._src.attribution.lrp_rules import LrpRule
-from gradkit._src.errors import GradkitError
+from gradkit._src.errors import GradkitError, GradkitWarning
 
 __all__ = ["EPSILON_ALPHA2_BETA1", "EPSILON_ALPHA2_BETA1_FLAT", "EPSILON_GAMMA_BOX", "EPSILON_PLUS",
-           "EPSILON_PLUS_FLAT", "KINDS", "Composite", "lrp"]
+           "EPSILON_PLUS_FLAT", "FORMS", "KINDS", "STRUCTURAL_OPS", "Composite", "LrpReport", "lrp"]
 
 #: the keys a composite may have.
 KINDS: tuple[str, ...] = (*compat.LAYER_KINDS, "first", "first_conv")
+#: the relevance forms a composite may have (``"relevance"``: the cotangent is the relevance, as in Zennit).
+FORMS: tuple[str, ...] = ("relevance",)
+#: the ops that move, copy or select values: on the relevance path they keep their gradient, and need no rule.
+STRUCTURAL_OPS: frozenset[str] = compat.STRUCTURAL
 
 
 class Composite(Mapping[str, LrpRule]):
     """An immutable mapping from layer kind to LRP rule; ``|`` merges (the right side wins).
 
+    ``form`` is how relevance travels backward under this composite (one of
+    :data:`FORMS`): ``"relevance"`` (Zennit's composites) carries the
+    relevance itself as the cotangent, so the one-hot seed of ``target`` gives
+    ``ΣR ≈ 1``. A merge keeps the left side's form.
+
     Examples:
       >>> import gradkit as gk
       >>> c = gk.attribution.EPSILON_PLUS | {"dense": gk.attribution.epsilon(0.25)}
-      >>> c["dense"], c["conv"]
-      (epsilon(eps=0.25), zplus(stabilizer=1e-06))
+      >>> c["dense"], c["conv"], c.form
+      (epsilon(eps=0.25), zplus(stabilizer=1e-06), 'relevance')
     """
 
-    __slots__ = ("_rules",)
+    __slots__ = ("_rules", "form")
 
-    def __init__(self, rules: Mapping[str, LrpRule] | None = None, /, **kw: LrpRule) -> None:
+    def __init__(self, rules: Mapping[str, LrpRule] | None = None, /, *, form: str = "relevance",
+                 **kw: LrpRule) -> None:
+        if form not in FORMS:
+            raise GradkitError(f"attribution.Composite: unknown relevance form {form!r}; the forms are "
+                               f"{', '.join(map(repr, FORMS))}.")
+        self.form: str = form
         merged = {**(rules or {}), **kw}
         for kind, rule in merged.items():
             if kind not in KINDS:
@@ -68,27 +91,29 @@ class Composite(Mapping[str, LrpRule]):
     def __or__(self, other: Mapping[str, LrpRule]) -> Composite:
         if not isinstance(other, Mapping):
             return NotImplemented
-        return Composite({**self._rules, **other})
+        return Composite({**self._rules, **other}, form=self.form)
 
     def __ror__(self, other: Mapping[str, LrpRule]) -> Composite:
         if not isinstance(other, Mapping):
             return NotImplemented
-        return Composite({**other, **self._rules})
+        return Composite({**other, **self._rules}, form=getattr(other, "form", self.form))
 
     def __repr__(self) -> str:
         return "Composite({" + ", ".join(f"{k!r}: {v!r}" for k, v in self._rules.items()) + "})"
 
-    def __hash__(self) -> int:
-        return hash(tuple(sorted((k, repr(v)) for k, v in self._rules.items())))  # a zbox's bounds may be arrays
+    def __hash__(self) -> int:  # a zbox's bounds may be arrays
+        return hash((self.form, tuple(sorted((k, repr(v)) for k, v in self._rules.items()))))
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Mapping) and dict(self.items()) == dict(other.items())
+        return (isinstance(other, Mapping) and dict(self.items()) == dict(other.items())
+                and getattr(other, "form", self.form) == self.form)
 
 
 def _base(stabilizer: float) -> dict[str, LrpRule]:
-    # Zennit's layer_map_base: activations pass relevance through, average pooling is Norm; max pooling has no
-    # rule there, so it keeps its gradient.
-    return {"activation": rules.pass_through(), "avg_pool": rules.norm(stabilizer), "max_pool": rules.gradient_rule()}
+    # Zennit's layer_map_base: activations pass relevance through, average pooling and the residual Sum (its
+    # ResNetCanonizer) are Norm; max pooling has no rule there, so it keeps its gradient.
+    return {"activation": rules.pass_through(), "avg_pool": rules.norm(stabilizer), "max_pool": rules.gradient_rule(),
+            "sum": rules.norm(stabilizer)}
 
 
 #: Zennit's ``EpsilonPlus``: z⁺ for conv layers, ε for dense layers.
@@ -117,7 +142,7 @@ def EPSILON_GAMMA_BOX(low: Any, high: Any, *, epsilon: float = 1e-6, gamma: floa
 
 
 _SUGGESTED = {"dense": "epsilon(1e-6)", "conv": "zplus()", "avg_pool": "norm()", "activation": "pass_through()",
-              "max_pool": "gradient_rule()"}
+              "max_pool": "gradient_rule()", "sum": "norm()"}
 
 
 def _rule_for(composite: Mapping[str, LrpRule], layer: compat.Layer, seen: dict[str, bool]) -> LrpRule:
@@ -172,17 +197,88 @@ def _apply(rule: LrpRule, layer: compat.Layer, x: jax.Array) -> jax.Array:
     return unit(x, *params)
 
 
+class LrpReport(NamedTuple):
+    """What :func:`lrp` with ``check=True`` reports, per example (arrays over the batch axis, or scalars).
+
+    ``total_relevance``: ``ΣR`` over each example's input. ``seed``: the
+    relevance the output started with (``Σ`` of the output cotangent: 1 for a
+    class index); in the ``"relevance"`` form a conservative model gives
+    ``total_relevance ≈ seed``, less what biases and stabilizers absorb.
+    ``explained_output``: the explained output (the output times the
+    cotangent, summed: the target logit).
+    """
+
+    total_relevance: jax.Array
+    seed: jax.Array
+    explained_output: jax.Array
+
+
+def _per_example(a: jax.Array, batched: bool) -> jax.Array:
+    return jnp.sum(a, axis=tuple(range(1, a.ndim))) if batched else jnp.sum(a)
+
+
+def _nan_outside(cot: jax.Array, out: jax.Array, target: Any) -> jax.Array:
+    """A traced class index outside the classes gives a NaN cotangent (so NaN maps), not a zero one."""
+    if not isinstance(target, compat.Tracer) or not jnp.issubdtype(target.dtype, jnp.integer) or not out.shape:
+        return cot
+    t = jnp.asarray(target)
+    bad = (t < 0) | (t >= out.shape[-1])
+    return jnp.where(jnp.broadcast_to(bad[..., None], cot.shape), jnp.asarray(jnp.nan, cot.dtype), cot)
+
+
+def _report_unruled(unruled: list[tuple[str, str, str]], strict: bool) -> None:
+    seen = list(dict.fromkeys(unruled))
+    lines = "; ".join(f"{op} at {where} ({hint})" for op, where, hint in seen[:8])
+    more = f"; and {len(seen) - 8} more" if len(seen) > 8 else ""
+    msg = (f"attribution.lrp: {len(seen)} op(s) on the relevance path have no LRP rule and keep their gradient, "
+           f"which in the relevance form does not conserve relevance: {lines}{more}. Structural ops "
+           f"(gk.attribution.STRUCTURAL_OPS) need none; the composite's kinds are {', '.join(KINDS)}.")
+    if strict:
+        raise GradkitError(msg + " (strict=True makes this an error.)")
+    warnings.warn(f"[gradkit] {msg} Pass strict=True to make this an error.", GradkitWarning, stacklevel=3)
+
+
 def lrp(fn: Callable[[jax.Array], jax.Array], x: Any, composite: Mapping[str, LrpRule], *,
-        target: Any = None) -> jax.Array:
+        target: Any = None, canonize: bool = True, strict: bool = False,
+        check: bool = False) -> Any:
     """Layer-wise Relevance Propagation: how much of the target output each input element is responsible for.
 
-    ``fn`` is any model of ``x`` — plain JAX, Flax linen, Equinox —
+    ``fn`` is any model of ``x`` — plain JAX, Flax linen, Flax NNX, Equinox —
     unmodified: its dense and conv layers (the ``dot_general`` or
     ``conv_general_dilated`` with a weight that does not depend on ``x``, and
-    the bias added to it), pooling and activations are found in its traced
-    program, and each passes relevance back by the composite's rule for its
-    kind. Runs under ``jit`` and ``vmap``. The result is not differentiable
-    with respect to the model's parameters.
+    the bias added to it), pooling (``reduce_window``, and a ``sum`` or
+    ``mean`` whose input has no other use, with its division or product by a
+    constant in either order), activations and residual sums (an ``add`` of
+    two values that both depend on ``x``) are found in its traced program,
+    also inside ``jit``, ``checkpoint``/``remat``, ``cond``/``switch`` and
+    ``scan`` bodies, and each passes relevance back by the composite's rule
+    for its kind. Runs under ``jit`` and ``vmap``. The result is not
+    differentiable with respect to the model's parameters.
+
+    **Relevance form.** Zennit's composites (all the shipped ones) use the
+    ``"relevance"`` form: the cotangent carried backward is the relevance,
+    the output starts with the one-hot of ``target``, so ``ΣR ≈ 1`` per
+    example (less what biases and stabilizers absorb; see ``check``).
+
+    **Canonization** (``canonize=True``, Zennit's canonizers, found by
+    dataflow): a per-channel affine map with constant operands right after a
+    dense or conv layer — BatchNorm in eval mode (Flax linen, NNX, Equinox,
+    or written out) — is folded into the layer before its rule applies:
+    ``W' = W·s``, ``b' = (b − μ)·s + β`` with ``s = γ/√(var + eps)``; every
+    rule sees ``W'`` and ``b'``. A residual add is the ``"sum"`` kind (Norm,
+    the proportional split, in every shipped composite; ``composite |
+    {"sum": gradient_rule()}`` copies the relevance to both branches, as
+    without a canonizer). A normalization with batch statistics (BatchNorm in
+    training mode) is an error; one over features (LayerNorm) is left as it
+    is and keeps its gradient.
+
+    **No silent relevance.** An op on the relevance path that is neither a
+    layer of some kind nor structural (:data:`STRUCTURAL_OPS`: reshape,
+    transpose, squeeze, expand_dims, broadcast_in_dim, slice, dynamic_slice,
+    gather, concatenate, pad with 0, rev, convert_element_type, copy,
+    reduce_precision, optimization_barrier, sharding_constraint) keeps its
+    gradient, with a :class:`~gradkit.GradkitWarning` naming it, its source
+    line and why; ``strict=True`` makes that an error.
 
     Args:
       fn: the model as a function of its input, returning one array whose
@@ -190,14 +286,20 @@ def lrp(fn: Callable[[jax.Array], jax.Array], x: Any, composite: Mapping[str, Lr
       x: the input, e.g. a batch of images.
       composite: a :class:`Composite` or any mapping from layer kind
         (``"dense"``, ``"conv"``, ``"avg_pool"``, ``"max_pool"``,
-        ``"activation"``, ``"first"``, ``"first_conv"``) to rule, e.g.
-        :data:`EPSILON_PLUS_FLAT` or ``EPSILON_PLUS | {"dense": epsilon(0.1)}``.
+        ``"activation"``, ``"sum"``, ``"first"``, ``"first_conv"``) to rule,
+        e.g. :data:`EPSILON_PLUS_FLAT` or ``EPSILON_PLUS | {"dense": epsilon(0.1)}``.
       target: which output to explain, as in :func:`gradient`: ``None`` for
         each row's largest output, a class index, one per row, or an output
-        cotangent (the relevance the output starts with).
+        cotangent (the relevance the output starts with). A class index out
+        of range is an error; under ``jit`` (where it cannot be checked) its
+        rows' maps are NaN.
+      canonize: fold BatchNorm-like affine maps into the layer before them.
+      strict: make an op on the relevance path without a rule an error.
+      check: also return an :class:`LrpReport` (``ΣR``, the seed and the
+        explained output per example).
 
     Returns:
-      The relevance, shaped like ``x``.
+      The relevance, shaped like ``x``; with ``check=True``, ``(relevance, report)``.
 
     Examples:
       >>> import jax, jax.numpy as jnp, gradkit as gk
@@ -206,6 +308,9 @@ def lrp(fn: Callable[[jax.Array], jax.Array], x: Any, composite: Mapping[str, Lr
       >>> r = gk.attribution.lrp(f, jnp.array([1.0, 1.0]), gk.attribution.EPSILON_PLUS)
       >>> [round(v, 4) for v in r.tolist()]
       [0.3333, 0.6667]
+      >>> r, report = gk.attribution.lrp(f, jnp.array([1.0, 1.0]), gk.attribution.EPSILON_PLUS, check=True)
+      >>> round(float(report.total_relevance), 4), float(report.seed), float(report.explained_output)
+      (1.0, 1.0, 3.0)
     """
     if not callable(fn):
         raise GradkitError(f"attribution.lrp: expected the model as a function of x, got {type(fn).__name__}; "
@@ -217,6 +322,7 @@ def lrp(fn: Callable[[jax.Array], jax.Array], x: Any, composite: Mapping[str, Lr
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.inexact):
         raise GradkitError(f"attribution.lrp: x must be floating point to be differentiated, got {x.dtype}.")
+    unruled: list[tuple[str, str, str]] = []
 
     def model(v: jax.Array) -> Any:
         seen = {"first": False, "first_conv": False}
@@ -224,12 +330,19 @@ def lrp(fn: Callable[[jax.Array], jax.Array], x: Any, composite: Mapping[str, Lr
         def handle(layer: compat.Layer, xin: jax.Array) -> jax.Array:
             return _apply(_rule_for(composite, layer, seen), layer, xin)
 
-        outs, tree = compat.run_layers(fn, v, handle)
+        outs, tree = compat.run_layers(fn, v, handle, canonize=bool(canonize), unruled=unruled)
         if tree.num_leaves != 1 or tree.num_nodes != 1:
             raise GradkitError(f"attribution.lrp: the model must return one array (its outputs, e.g. logits), "
                                f"got a structure {tree}.")
         return outs[0]
 
     out, pullback = jax.vjp(model, x)
-    (r,) = pullback(_cotangent("lrp", out, target))
-    return r
+    if unruled:
+        _report_unruled(unruled, strict)
+    cot = _nan_outside(_cotangent("lrp", out, target), out, target)
+    (r,) = pullback(cot)
+    if not check:
+        return r
+    batched = out.ndim >= 2 and x.ndim >= 1 and x.shape[0] == out.shape[0]
+    report = LrpReport(_per_example(r, batched), _per_example(cot, batched), _per_example(cot * out, batched))
+    return r, report

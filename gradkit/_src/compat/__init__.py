@@ -26,8 +26,10 @@ gradkit imports ``gradkit._src.compat`` and nothing from ``jax._src``.
   Registering rules for gradkit's own primitive is extension; no rule of a
   JAX primitive is touched (``tests/test_side_effects.py`` checks it).
 * :mod:`~gradkit._src.compat.layers` — a model's dense/conv layers (with their
-  bias add), pooling and activations found by dataflow in its traced program,
-  and that program run with each layer computed by a callback (LRP's rules).
+  bias add and a folded BatchNorm), pooling, activations and residual sums
+  found by dataflow in its traced program (the static plan:
+  :mod:`~gradkit._src.compat.layer_scan`), and that program run with each
+  layer computed by a callback (LRP's rules).
 * :mod:`~gradkit._src.compat.callbacks` — the logger JAX reports a failing
   host callback on (``gk.guard``'s raise mode keeps its own exception off it),
   and the error types JAX raises in place of a callback's exception.
@@ -103,6 +105,7 @@ from gradkit._src.compat.jaxprs import (
 from gradkit._src.compat.layers import (
     ACTIVATION_FUNCTIONS,
     LAYER_KINDS,
+    STRUCTURAL,
     Layer,
     run_layers,
 )
@@ -138,7 +141,7 @@ __all__ = [
     "rule_target", "rule_wrapper_name", "scan_layout", "single_equation", "staged", "struct_like", "struct_of", "trace",
     "trace_avals", "trace_context", "trace_jit", "type_key", "while_layout",
     # layers
-    "ACTIVATION_FUNCTIONS", "LAYER_KINDS", "Layer", "run_layers",
+    "ACTIVATION_FUNCTIONS", "LAYER_KINDS", "STRUCTURAL", "Layer", "run_layers",
     # primitive
     "OWN_PRIMITIVES", "match_varying", "safe_scale", "safe_scale_p", "masked_scale", "masked_scale_p",
     # source

@@ -32,39 +32,47 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from gradkit._src.compat.jaxprs import (
     JaxprEqn,
+    Tracer,
     bind,
+    cond_layout,
     eqn_name,
     is_jit,
     is_literal,
     jaxpr_parts,
     read_atom,
+    scan_layout,
 )
+from gradkit._src.compat.layer_scan import ACTIVATION_FUNCTIONS, LAYOUT, Plan, Unit, is_varying, literal_scalar
 from gradkit._src.compat.source import source_line
+from gradkit._src.errors import GradkitError
 
-__all__ = ["ACTIVATION_FUNCTIONS", "LAYER_KINDS", "Layer", "run_layers"]
+__all__ = ["ACTIVATION_FUNCTIONS", "LAYER_KINDS", "STRUCTURAL", "Layer", "run_layers"]
 
 #: the kinds of layer :func:`run_layers` finds.
-LAYER_KINDS = ("dense", "conv", "avg_pool", "max_pool", "activation")
-
-#: ``jax.nn`` functions (by the name their ``custom_jvp`` / ``jit`` equation carries) that are activations.
-ACTIVATION_FUNCTIONS = frozenset({
-    "relu", "relu6", "gelu", "silu", "swish", "elu", "celu", "selu", "leaky_relu", "softplus", "sigmoid",
-    "hard_tanh", "hard_sigmoid", "hard_silu", "hard_swish", "soft_sign", "mish", "squareplus", "sparse_plus",
-    "tanh", "log_sigmoid",
-})
-#: ``jax.nn`` activations JAX inlines (no ``jit`` or ``custom_jvp`` names them): the run of equations made inside
-#: the function (by their traceback) is one activation.
-_INLINED_ACTIVATIONS = frozenset({"gelu"})
-_LINEAR = {"dot_general": "dense", "conv_general_dilated": "conv"}
-_LAYOUT = frozenset({"transpose", "reshape", "squeeze", "expand_dims", "convert_element_type", "copy", "copy_p"})
-_ELEMENTWISE_ACTIVATIONS = frozenset({"tanh", "logistic"})
-# Ops whose output is nonnegative when their (one varying) input is.
-_KEEPS_SIGN = _LAYOUT | {"reduce_window_max", "reduce_window_sum", "broadcast_in_dim", "reduce_max", "reduce_sum",
-                         "slice", "pad", "concatenate", "rev", "gather", "dynamic_slice"}
+LAYER_KINDS = ("dense", "conv", "avg_pool", "max_pool", "activation", "sum")
+#: ops that only move, copy or select values: on the relevance path they keep their gradient, which is right.
+STRUCTURAL = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "broadcast_in_dim", "slice",
+                        "dynamic_slice", "gather", "concatenate", "pad", "convert_element_type", "copy", "copy_p",
+                        "rev", "reduce_precision", "optimization_barrier", "sharding_constraint"})
+_CALLS = frozenset({"checkpoint", "remat", "closed_call", "core_call"})  # entered like jit
+# Ops whose output is nonnegative when the operands named by _SIGN_OPERANDS (default: all) are.
+_KEEPS_SIGN = LAYOUT | {"reduce_window_max", "reduce_window_sum", "broadcast_in_dim", "reduce_max", "reduce_sum",
+                        "slice", "pad", "concatenate", "rev", "gather", "dynamic_slice", "select_n", "add", "mul",
+                        "div", "max", "min"}
+_SIGN_OPERANDS: dict[str, slice] = {"gather": slice(0, 1), "dynamic_slice": slice(0, 1), "select_n": slice(1, None)}
+_NONNEGATIVE = frozenset({"abs", "exp", "logistic", "sqrt", "rsqrt", "square"})
+_HINTS = {
+    "add": "an add of a constant off a dense/conv layer has no rule",
+    "sub": "a subtraction has no rule (a per-channel affine map right after a dense/conv layer is folded into it)",
+    "mul": "a scaling by a constant off a dense/conv layer has no rule (right after one it is folded into it)",
+    "div": "a division by a constant off a dense/conv layer has no rule (right after one it is folded into it)",
+    "reduce_sum": "a sum or mean is the 'avg_pool' kind when its input has no other use",
+}
 
 
 @dataclass(frozen=True, eq=False)
@@ -74,7 +82,9 @@ class Layer:
     ``apply(x, *params)`` computes the layer's output from an input ``x``
     shaped like its input and parameters shaped like :attr:`params`; for a
     dense or conv layer ``params`` is ``(weight,)`` or ``(weight, bias)`` and
-    ``apply(x, w)`` (no bias argument) is the linear part alone.
+    ``apply(x, w)`` (no bias argument) is the linear part alone; with a folded
+    affine map (BatchNorm) these are the folded weight and bias. A ``"sum"``
+    layer's input is its two operands stacked on a new last axis.
     """
 
     kind: str
@@ -86,168 +96,46 @@ class Layer:
     nonnegative_input: bool = False
 
 
-def _is_varying(atom: Any, varying: set[Any]) -> bool:
-    return not is_literal(atom) and atom in varying
-
-
-def _literal_scalar(atom: Any) -> float | None:
-    if not is_literal(atom):
-        return None
-    val = np.asarray(atom.val)
-    numeric = np.issubdtype(val.dtype, np.floating) or np.issubdtype(val.dtype, np.integer)
-    return float(val) if val.shape == () and numeric else None
-
-
-class _Program:
-    """One jaxpr's static plan: which equations form a layer unit, which are deferred into one."""
-
-    def __init__(self, jaxpr: Any, varying_in: Sequence[bool]) -> None:
-        self.jaxpr = jaxpr
-        self.eqns = list(jaxpr.eqns)
-        self.varying: set[Any] = {v for v, d in zip(jaxpr.invars, varying_in) if d}
-        users: dict[Any, list[int]] = {}
-        for i, eqn in enumerate(self.eqns):
-            if any(_is_varying(a, self.varying) for a in eqn.invars):
-                self.varying.update(eqn.outvars)
-            for a in eqn.invars:
-                if not is_literal(a):
-                    users.setdefault(a, []).append(i)
-        outs = {a for a in jaxpr.outvars if not is_literal(a)}
-        self.units: dict[int, tuple[str, int, list[int], int | None]] = {}  # last eqn -> (kind, head, chain, add)
-        self.deferred: set[int] = set()
-        self.activations: set[int] = set()
-        self.regions: dict[int, tuple[int, Any, str]] = {}  # last eqn -> (first eqn, input, name): inlined activations
-        self._find_inlined_activations(users, outs)
-
-        in_region = {k for last, (first, _, _) in self.regions.items() for k in range(first, last + 1)}
-
-        def only_user(v: Any) -> int | None:  # a layer unit does not reach into an inlined activation
-            u = users.get(v, [])
-            return u[0] if len(u) == 1 and v not in outs and u[0] not in in_region else None
-
-        for i, eqn in enumerate(self.eqns):
-            if i in self.deferred or i in self.regions:
-                continue
-            prim = eqn.primitive.name
-            dyn = [k for k, a in enumerate(eqn.invars) if _is_varying(a, self.varying)]
-            if prim in _LINEAR and len(dyn) == 1 and len(eqn.invars) == 2:
-                chain: list[int] = []
-                v = eqn.outvars[0]
-                j = only_user(v)
-                add = None
-                while j is not None:
-                    e = self.eqns[j]
-                    if e.primitive.name in _LAYOUT and len(e.invars) == 1:
-                        chain.append(j)
-                        v = e.outvars[0]
-                        j = only_user(v)
-                        continue
-                    if e.primitive.name == "add" and len(e.invars) == 2:
-                        other = e.invars[1] if e.invars[0] is v else e.invars[0]
-                        if not _is_varying(other, self.varying) and e.invars[0] is not e.invars[1]:
-                            add = j
-                    break
-                if add is None:
-                    chain = []
-                    self.units[i] = (_LINEAR[prim], i, [], None)
-                else:
-                    self.units[add] = (_LINEAR[prim], i, chain, add)
-                    self.deferred.update([i, *chain])
-            elif prim == "reduce_window_sum" and dyn == [0]:
-                chain = []  # layout ops between the sum and its division (Equinox's AvgPool2d: squeeze, transpose)
-                v = eqn.outvars[0]
-                j = only_user(v)
-                while j is not None and self.eqns[j].primitive.name in _LAYOUT and len(self.eqns[j].invars) == 1:
-                    chain.append(j)
-                    v = self.eqns[j].outvars[0]
-                    j = only_user(v)
-                e = None if j is None else self.eqns[j]
-                if (e is not None and e.primitive.name in ("div", "mul") and e.invars[0] is v
-                        and not _is_varying(e.invars[1], self.varying)):
-                    assert j is not None
-                    self.units[j] = ("avg_pool", i, chain, j)
-                    self.deferred.update([i, *chain])
-                else:
-                    self.units[i] = ("avg_pool", i, [], None)
-            elif prim == "reduce_window_max" and dyn == [0]:
-                self.units[i] = ("max_pool", i, [], None)
-            elif len(dyn) == 1 and len(eqn.outvars) == 1 and _is_activation(eqn, dyn[0]):
-                self.activations.add(i)
-
-
-    def _find_inlined_activations(self, users: dict[Any, list[int]], outs: set[Any]) -> None:
-        tags = [_inlined_activation(eqn) for eqn in self.eqns]
-        i = 0
-        while i < len(self.eqns):
-            if tags[i] is None:
-                i += 1
-                continue
-            j = i
-            while j + 1 < len(self.eqns) and tags[j + 1] == tags[i]:
-                j += 1
-            run = range(i, j + 1)
-            defined = {v for k in run for v in self.eqns[k].outvars}
-            ins = {a for k in run for a in self.eqns[k].invars if not is_literal(a) and a not in defined}
-            dyn = [a for a in ins if a in self.varying]
-            out = self.eqns[j].outvars[0]
-            used_after = {v for v in defined if v in outs or any(u > j for u in users.get(v, []))}
-            if (len(dyn) == 1 and used_after == {out} and len(self.eqns[j].outvars) == 1
-                    and getattr(out.aval, "shape", None) == getattr(dyn[0].aval, "shape", None)):
-                self.regions[j] = (i, dyn[0], str(tags[i]))
-                self.deferred.update(range(i, j))
-            i = j + 1
-
-
-def _inlined_activation(eqn: JaxprEqn) -> str | None:
-    tb = eqn.source_info.traceback
-    frames: Sequence[Any] = tb.frames if tb is not None else ()
-    for frame in frames:
-        if (frame.function_name in _INLINED_ACTIVATIONS
-                and frame.file_name.replace("\\", "/").endswith("jax/_src/nn/functions.py")):
-            return str(frame.function_name)
-    return None
-
-
-def _is_activation(eqn: JaxprEqn, k: int) -> bool:
-    if getattr(eqn.outvars[0].aval, "shape", None) != getattr(eqn.invars[k].aval, "shape", None):
-        return False
+def _nonnegative_after(eqn: JaxprEqn, nn: list[bool]) -> bool:
     prim = eqn.primitive.name
-    if prim in _ELEMENTWISE_ACTIVATIONS:
+    if eqn_name(eqn) in ("fn:relu", "fn:relu6") or prim in _NONNEGATIVE:
         return True
     if prim == "max":
-        return len(eqn.invars) == 2 and _literal_scalar(eqn.invars[1 - k]) is not None
-    name = eqn_name(eqn)
-    return name.startswith("fn:") and name[3:] in ACTIVATION_FUNCTIONS and len(eqn.invars) == 1
-
-
-def _nonnegative_after(eqn: JaxprEqn, ins_nonneg: list[bool], varying: set[Any]) -> bool:
-    prim = eqn.primitive.name
-    name = eqn_name(eqn)
-    if name in ("fn:relu", "fn:relu6") or prim == "abs":
-        return True
-    if prim == "max":
-        return any((c := _literal_scalar(a)) is not None and c >= 0 for a in eqn.invars)
-    dyn = [k for k, a in enumerate(eqn.invars) if _is_varying(a, varying)]
-    if not dyn or not all(ins_nonneg[k] for k in dyn):
-        return False
+        return any(nn)
     if prim in _KEEPS_SIGN:
-        return True
-    if prim in ("div", "mul"):
-        return all(ins_nonneg[k] or ((c := _literal_scalar(a)) is not None and c > 0)
-                   for k, a in enumerate(eqn.invars))
+        picked = nn[_SIGN_OPERANDS.get(prim, slice(None))]
+        return bool(picked) and all(picked)
     return False
 
 
+def _varying_outs(jaxpr: Any, flags: Sequence[bool]) -> list[bool]:
+    varying = {v for v, d in zip(jaxpr.invars, flags) if d}
+    for eqn in jaxpr.eqns:
+        if any(is_varying(a, varying) for a in eqn.invars):
+            varying.update(eqn.outvars)
+    return [is_varying(a, varying) for a in jaxpr.outvars]
+
+
+def _is_float(atom: Any) -> bool:
+    dtype = getattr(atom.aval, "dtype", None)
+    return dtype is not None and bool(np.issubdtype(dtype, np.inexact))
+
+
 class _Runner:
-    def __init__(self, handle: Callable[[Layer, Any], Any]) -> None:
+    def __init__(self, handle: Callable[[Layer, Any], Any], canonize: bool,
+                 unruled: list[tuple[str, str, str]] | None) -> None:
         self.handle = handle
+        self.canonize = canonize
+        self.unruled = unruled
         self.count = 0
 
     def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], varying: Sequence[bool],
-            nonneg: Sequence[bool]) -> list[Any]:
-        prog = _Program(jaxpr, varying)
+            nonneg: Sequence[bool], batch: int | None = None) -> list[Any]:
+        prog = Plan(jaxpr, varying, canonize=self.canonize, batch=batch)
         env: dict[Any, Any] = {}
         pos: set[Any] = set()
+        constvars = set(jaxpr.constvars)
+        checked: dict[Any, bool] = {}
         for v, c in zip(jaxpr.constvars, consts):
             env[v] = c
         for v, a, n in zip(jaxpr.invars, args, nonneg):
@@ -255,39 +143,109 @@ class _Runner:
             if n:
                 pos.add(v)
         read = lambda a: read_atom(env, a)
+
+        def is_nonneg(a: Any) -> bool:
+            if is_literal(a):
+                val = np.asarray(a.val)
+                return val.dtype != object and bool(np.all(val >= 0))
+            if a in pos:
+                return True
+            if a in constvars and a not in checked:  # a concrete constant: look at it (once)
+                val = env[a]
+                checked[a] = (not isinstance(val, Tracer) and np.issubdtype(np.asarray(val).dtype, np.number)
+                              and bool(np.all(np.asarray(val) >= 0)))
+            return checked.get(a, False)
+
         for i, eqn in enumerate(prog.eqns):
             if i in prog.deferred:
                 continue
-            ins_nonneg = [not is_literal(a) and a in pos for a in eqn.invars]
+            if i in prog.batch_stats:
+                raise GradkitError(
+                    f"attribution.lrp: the model computes statistics over the batch axis from the input "
+                    f"(a {eqn.primitive.name} over axis 0 at {source_line(eqn)}): BatchNorm in training mode. "
+                    f"LRP explains a model in eval mode: use nn.BatchNorm(use_running_average=True) (Flax linen), "
+                    f"model.eval() or use_running_average=True (Flax NNX), eqx.nn.inference_mode(model) (Equinox).")
+            nn = [is_nonneg(a) for a in eqn.invars]
             if i in prog.regions:
                 env[eqn.outvars[0]] = self._region(prog, i, read, pos)
                 continue
             if i in prog.units:
-                kind, head, chain, last = prog.units[i]
-                out, nn = self._unit(prog, kind, head, chain, last, read, pos)
+                out, nn_out = self._unit(prog, prog.units[i], read, is_nonneg)
                 env[eqn.outvars[0]] = out
-                if nn:
+                if nn_out:
+                    pos.add(eqn.outvars[0])
+                continue
+            if i in prog.sums:
+                env[eqn.outvars[0]] = self._sum(eqn, [read(a) for a in eqn.invars], all(nn))
+                if all(nn):
                     pos.add(eqn.outvars[0])
                 continue
             if i in prog.activations:
-                k = next(k for k, a in enumerate(eqn.invars) if _is_varying(a, prog.varying))
-                out = self._activation(eqn, k, [read(a) for a in eqn.invars], ins_nonneg[k])
-                env[eqn.outvars[0]] = out
-                if _nonnegative_after(eqn, ins_nonneg, prog.varying):
+                k = next(k for k, a in enumerate(eqn.invars) if is_varying(a, prog.varying))
+                env[eqn.outvars[0]] = self._activation(eqn, k, [read(a) for a in eqn.invars], nn[k])
+                if _nonnegative_after(eqn, nn):
                     pos.add(eqn.outvars[0])
                 continue
             invals = [read(a) for a in eqn.invars]
-            if is_jit(eqn) and any(_is_varying(a, prog.varying) for a in eqn.invars):
+            flags = [is_varying(a, prog.varying) for a in eqn.invars]
+            prim = eqn.primitive.name
+            if any(flags) and (is_jit(eqn) or prim in _CALLS):
                 inner, inner_consts = jaxpr_parts(eqn.params["jaxpr"])
-                outs = self.run(inner, inner_consts, invals, [_is_varying(a, prog.varying) for a in eqn.invars],
-                                ins_nonneg)
+                outs = self.run(inner, inner_consts, invals, flags, nn, batch)
+            elif any(flags[1:]) and prim == "cond":
+                outs = self._cond(eqn, invals, flags, nn)
+            elif any(flags) and prim == "scan":
+                outs = self._scan(eqn, invals, flags, nn)
             else:
+                if any(f and _is_float(a) for f, a in zip(flags, eqn.invars)):
+                    self._check_ruled(eqn)
                 outs = bind(eqn, invals)
             for v, o in zip(eqn.outvars, outs):
                 env[v] = o
-            if len(eqn.outvars) == 1 and _nonnegative_after(eqn, ins_nonneg, prog.varying):
+            if len(eqn.outvars) == 1 and _nonnegative_after(eqn, nn):
                 pos.add(eqn.outvars[0])
         return [read(a) for a in jaxpr.outvars]
+
+    def _check_ruled(self, eqn: JaxprEqn) -> None:
+        prim = eqn.primitive.name
+        if self.unruled is None or not any(_is_float(v) for v in eqn.outvars):
+            return
+        if prim in STRUCTURAL and not (prim == "pad" and literal_scalar(eqn.invars[1]) != 0.0):
+            return
+        name = eqn_name(eqn)
+        hint = _HINTS.get(prim, "no layer kind covers it")
+        if name.startswith("fn:"):
+            hint = f"a function that is not one of the activations {sorted(ACTIVATION_FUNCTIONS)[:3]}..."
+        self.unruled.append((name, source_line(eqn), hint))
+
+    def _cond(self, eqn: JaxprEqn, invals: list[Any], flags: list[bool], nn: list[bool]) -> list[Any]:
+        def branch(closed: Any) -> Callable[..., list[Any]]:
+            jx, cs = jaxpr_parts(closed)
+            return lambda *ops: self.run(jx, cs, list(ops), flags[1:], nn[1:])
+
+        return list(jax.lax.switch(invals[0], [branch(b) for b in cond_layout(eqn).branches], *invals[1:]))
+
+    def _scan(self, eqn: JaxprEqn, invals: list[Any], flags: list[bool], nn: list[bool]) -> list[Any]:
+        lay = scan_layout(eqn)
+        jx, cs = jaxpr_parts(lay.body)
+        nc, nk = lay.num_consts, lay.num_carry
+        carry_flags = list(flags[nc:nc + nk])
+        for _ in range(nk + 1):  # a carry that depends on the input in one iteration does in the next
+            body_flags = [*flags[:nc], *carry_flags, *flags[nc + nk:]]
+            new = [a or b for a, b in zip(carry_flags, _varying_outs(jx, body_flags)[:nk])]
+            if new == carry_flags:
+                break
+            carry_flags = new
+        body_nn = [*nn[:nc], *([False] * nk), *nn[nc + nk:]]
+        consts = invals[:nc]
+
+        def body(carry: list[Any], xs: list[Any]) -> tuple[list[Any], list[Any]]:
+            outs = self.run(jx, cs, [*consts, *carry, *xs], body_flags, body_nn)
+            return outs[:nk], outs[nk:]
+
+        carry, ys = jax.lax.scan(body, list(invals[nc:nc + nk]), list(invals[nc + nk:]), length=lay.length,
+                                 reverse=lay.reverse, unroll=eqn.params.get("unroll", 1))
+        return [*carry, *ys]
 
     def _layer(self, kind: str, eqn: JaxprEqn, params: tuple[Any, ...], apply: Callable[..., Any],
                nonneg: bool) -> Layer:
@@ -296,53 +254,114 @@ class _Runner:
         self.count += 1
         return layer
 
-    def _unit(self, prog: _Program, kind: str, head: int, chain: list[int], last: int | None,
-              read: Callable[[Any], Any], pos: set[Any]) -> tuple[Any, bool]:
-        eqn = prog.eqns[head]
-        k = next(k for k, a in enumerate(eqn.invars) if _is_varying(a, prog.varying))
+    def _sum(self, eqn: JaxprEqn, invals: list[Any], nonneg: bool) -> Any:
+        shape = tuple(eqn.outvars[0].aval.shape)
+        stacked = jnp.stack([jnp.broadcast_to(v, shape) for v in invals], axis=-1)
+
+        def apply(sv: Any) -> Any:
+            return bind(eqn, [sv[..., 0], sv[..., 1]])[0]
+
+        return self.handle(self._layer("sum", eqn, (), apply, nonneg), stacked)
+
+    def _unit(self, prog: Plan, u: Unit, read: Callable[[Any], Any],
+              is_nonneg: Callable[[Any], bool]) -> tuple[Any, bool]:
+        eqn = prog.eqns[u.head]
+        k = next(k for k, a in enumerate(eqn.invars) if is_varying(a, prog.varying))
         x = read(eqn.invars[k])
-        nonneg = not is_literal(eqn.invars[k]) and eqn.invars[k] in pos
-        chain_eqns = [prog.eqns[j] for j in chain]
-        tail = None if last is None else prog.eqns[last]
-        if kind in ("dense", "conv"):
-            w = read(eqn.invars[1 - k])
-            params: tuple[Any, ...] = (w,)
-            src = eqn.outvars[0] if not chain_eqns else chain_eqns[-1].outvars[0]
-            bias_first = False
-            if tail is not None:
-                bias_first = tail.invars[1] is src
-                params = (w, read(tail.invars[0] if bias_first else tail.invars[1]))
-
-            def apply(xv: Any, wv: Any, bv: Any = None) -> Any:
-                (z,) = bind(eqn, [xv, wv] if k == 0 else [wv, xv])
-                for c in chain_eqns:
-                    (z,) = bind(c, [z])
-                if bv is not None:
-                    assert tail is not None
-                    (z,) = bind(tail, [bv, z] if bias_first else [z, bv])
-                return z
-
-            layer = self._layer(kind, eqn, params, apply, nonneg)
-            return self.handle(layer, x), False
-        if kind == "avg_pool" and tail is not None:
-            d = read(tail.invars[1])
+        nonneg = is_nonneg(eqn.invars[k])
+        chain_eqns = [prog.eqns[j] for j in u.chain]
+        tail = [prog.eqns[j] for j in u.tail]
+        if u.kind in ("dense", "conv"):
+            return self._linear(u, eqn, k, x, nonneg, chain_eqns, tail, read), False
+        if u.kind == "avg_pool" and tail:
+            scale = tail[0]
+            v = chain_eqns[-1].outvars[0] if chain_eqns else eqn.outvars[0]
+            first = scale.invars[0] is v
+            d_atom = scale.invars[1 if first else 0]
 
             def apply_pool(xv: Any, dv: Any) -> Any:
                 (s,) = bind(eqn, [xv])
                 for c in chain_eqns:
                     (s,) = bind(c, [s])
-                return bind(tail, [s, dv])[0]
+                return bind(scale, [s, dv] if first else [dv, s])[0]
 
-            c = _literal_scalar(tail.invars[1])
-            positive = c is not None and c > 0
-            return self.handle(self._layer(kind, eqn, (d,), apply_pool, nonneg), x), nonneg and positive
+            out = self.handle(self._layer(u.kind, eqn, (read(d_atom),), apply_pool, nonneg), x)
+            return out, nonneg and is_nonneg(d_atom)
 
         def apply_one(xv: Any) -> Any:
             return bind(eqn, [xv])[0]
 
-        return self.handle(self._layer(kind, eqn, (), apply_one, nonneg), x), nonneg
+        return self.handle(self._layer(u.kind, eqn, (), apply_one, nonneg), x), nonneg
 
-    def _region(self, prog: _Program, last: int, read: Callable[[Any], Any], pos: set[Any]) -> Any:
+    def _linear(self, u: Unit, eqn: JaxprEqn, k: int, x: Any, nonneg: bool, chain_eqns: list[JaxprEqn],
+                tail: list[JaxprEqn], read: Callable[[Any], Any]) -> Any:
+        w = read(eqn.invars[1 - k])
+        v = chain_eqns[-1].outvars[0] if chain_eqns else eqn.outvars[0]
+
+        def linear(xv: Any, wv: Any) -> Any:
+            (z,) = bind(eqn, [xv, wv] if k == 0 else [wv, xv])
+            for c in chain_eqns:
+                (z,) = bind(c, [z])
+            return z
+
+        if not u.folded:
+            params: tuple[Any, ...] = (w,)
+            bias_first = False
+            if u.bias:
+                bias_first = tail[0].invars[1] is v
+                params = (w, read(tail[0].invars[0] if bias_first else tail[0].invars[1]))
+
+            def apply(xv: Any, wv: Any, bv: Any = None) -> Any:
+                z = linear(xv, wv)
+                if bv is not None:
+                    (z,) = bind(tail[0], [bv, z] if bias_first else [z, bv])
+                return z
+
+            return self.handle(self._layer(u.kind, eqn, params, apply, nonneg), x)
+        w_f, b_f = self._fold(u, w, v, tail, read)
+
+        def apply_folded(xv: Any, wv: Any, bv: Any = None) -> Any:
+            z = linear(xv, wv)
+            return z if bv is None else z + bv
+
+        return self.handle(self._layer(u.kind, eqn, (w_f, b_f), apply_folded, nonneg), x)
+
+    @staticmethod
+    def _fold(u: Unit, w: Any, v: Any, tail: list[JaxprEqn], read: Callable[[Any], Any]) -> tuple[Any, Any]:
+        """The weight and bias of the layer with its affine tail folded in: ``W' = W·s``, ``b' = A(b)``."""
+        out = tail[-1].outvars[0].aval
+        s: Any = 1.0
+        t: Any = 0.0
+        ops = tail
+        if u.bias:
+            t = read(tail[0].invars[0] if tail[0].invars[1] is v else tail[0].invars[1])
+            v, ops = tail[0].outvars[0], tail[1:]
+        for e in ops:
+            first = e.invars[0] is v
+            c = read(e.invars[1 if first else 0])
+            prim = e.primitive.name
+            if prim == "add":
+                t = t + c
+            elif prim == "sub":
+                s, t = (s, t - c) if first else (-s, c - t)
+            elif prim == "mul":
+                s, t = s * c, t * c
+            else:  # div, by a constant (the plan checked)
+                s, t = s / c, t / c
+            v = e.outvars[0]
+        nd = len(out.shape)
+        w_axes, p_axes = u.channels
+        s_full = jnp.broadcast_to(jnp.asarray(s, out.dtype), out.shape)
+        t_full = jnp.broadcast_to(jnp.asarray(t, out.dtype), out.shape)
+        s_ch = s_full[tuple(slice(None) if a in p_axes else 0 for a in range(nd))]
+        order = sorted(p_axes)
+        s_ch = jnp.transpose(s_ch, [order.index(p) for p in p_axes])
+        w_shape = [w.shape[d] if d in w_axes else 1 for d in range(w.ndim)]
+        w_f = w * s_ch.reshape(w_shape).astype(w.dtype)
+        b_f = t_full[tuple(slice(None) if a in p_axes else slice(0, 1) for a in range(nd))]
+        return w_f, b_f
+
+    def _region(self, prog: Plan, last: int, read: Callable[[Any], Any], pos: set[Any]) -> Any:
         first, x_var, name = prog.regions[last]
         eqns = prog.eqns[first:last + 1]
         defined = {v for e in eqns for v in e.outvars}
@@ -371,7 +390,8 @@ class _Runner:
         return self.handle(self._layer("activation", eqn, (), apply, nonneg), invals[k])
 
 
-def run_layers(fn: Callable[[Any], Any], x: Any, handle: Callable[[Layer, Any], Any]) -> tuple[Any, Any]:
+def run_layers(fn: Callable[[Any], Any], x: Any, handle: Callable[[Layer, Any], Any], *, canonize: bool = True,
+               unruled: list[tuple[str, str, str]] | None = None) -> tuple[Any, Any]:
     """Runs ``fn(x)`` with each layer computed by ``handle(layer, layer_input)`` instead.
 
     ``fn`` is traced once at ``x``'s type (``jax.make_jaxpr``); its program is
@@ -379,9 +399,13 @@ def run_layers(fn: Callable[[Any], Any], x: Any, handle: Callable[[Layer, Any], 
     with every layer (see the module doc) handed to ``handle``, which must
     return what ``layer.apply(layer_input, *layer.params)`` returns (with any
     derivative it likes). Layers come in program order; ``layer.index``
-    counts them. Returns ``(outputs as a flat list, output tree structure)``.
+    counts them. ``canonize`` folds per-channel affine maps into the layer
+    before them; ``unruled``, when given, collects ``(op, source line, hint)``
+    for each op on the input's path that is neither a layer nor structural.
+    Returns ``(outputs as a flat list, output tree structure)``.
     """
     closed, shape = jax.make_jaxpr(fn, return_shape=True)(x)
     jaxpr, consts = jaxpr_parts(closed)
-    outs = _Runner(handle).run(jaxpr, consts, [x], [True], [False])
+    batch = x.shape[0] if np.ndim(x) >= 2 else None
+    outs = _Runner(handle, canonize, unruled).run(jaxpr, consts, [x], [True], [False], batch)
     return outs, jax.tree_util.tree_structure(shape)
