@@ -218,3 +218,14 @@ def test_flax_and_equinox_resnets_equal_zennit_too(ref: dict[str, np.ndarray], t
     r = jax.jit(lambda v, t: gk.attribution.lrp(fn, v, COMPOSITES[name], target=t))(
         jnp.asarray(ref["x"]), jnp.asarray(ref["target"]))
     assert _rel(r, ref[f"relevance/{name}"]) <= TOL
+
+
+def test_without_folding_the_reference_is_far(ref: dict[str, np.ndarray]) -> None:
+    # The control: with canonize=False, BatchNorm passes relevance through unfolded, and the stored maps must
+    # catch it (ΣR far from Zennit's too).
+    fn = plain_twin(ref)
+    name = "EPSILON_PLUS_FLAT"
+    with pytest.warns(gk.GradkitWarning, match="no LRP rule"):  # the unfolded BatchNorm's ops are named
+        r = jax.jit(lambda v, t: gk.attribution.lrp(fn, v, COMPOSITES[name], target=t, canonize=False))(
+            jnp.asarray(ref["x"]), jnp.asarray(ref["target"]))
+    assert _rel(r, ref[f"relevance/{name}"]) > 100 * TOL
