@@ -53,9 +53,12 @@ def _bins(size: int, out: int) -> list[tuple[int, int]]:
 
 
 def adaptive_avg_pool(h: jax.Array, out: int, axes: tuple[int, int]) -> jax.Array:
-    """``nn.AdaptiveAvgPool2d(out)`` as one ``jnp.mean`` per window and axis, concatenated."""
+    """``nn.AdaptiveAvgPool2d(out)`` as one ``jnp.mean`` per window and axis, concatenated.
+
+    (``jnp.mean(..., keepdims=True)`` would be the shorter spelling; gradkit's LRP does not recognise it yet.)
+    """
     for axis in axes:
-        parts = [jnp.mean(jax.lax.slice_in_dim(h, a, b, axis=axis), axis=axis, keepdims=True)
+        parts = [jnp.expand_dims(jnp.mean(jax.lax.slice_in_dim(h, a, b, axis=axis), axis=axis), axis)
                  for a, b in _bins(h.shape[axis], out)]
         h = jnp.concatenate(parts, axis=axis)
     return h
