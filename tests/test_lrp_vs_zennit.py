@@ -173,7 +173,8 @@ def _rel(ours: jax.Array, theirs: np.ndarray) -> float:
     return float(np.max(np.abs(np.asarray(ours, np.float64) - theirs)) / np.max(np.abs(theirs)))
 
 
-@pytest.mark.parametrize("twin", list(TWINS))
+@pytest.mark.parametrize("twin", ["plain", pytest.param("flax", marks=pytest.mark.slow),
+                                  pytest.param("equinox", marks=pytest.mark.slow)])
 def test_twins_reproduce_the_stored_logits(ref: dict[str, np.ndarray], twin: str) -> None:
     # The twins read the stored weights as PyTorch computed with them, or nothing below means anything.
     assert _rel(jax.jit(TWINS[twin](ref))(jnp.asarray(ref["x"])), ref["logits"]) < 1e-5
@@ -191,7 +192,8 @@ def test_the_stored_maps_tell_the_composites_apart(ref: dict[str, np.ndarray]) -
         assert np.all((ref[f"sum/{name}"] > 0.25) & (ref[f"sum/{name}"] < 2.0))
 
 
-@pytest.mark.parametrize(("name", "jit"), [(name, True) for name in COMPOSITES] + [("EPSILON_PLUS_FLAT", False)],
+@pytest.mark.parametrize(("name", "jit"), [(name, True) for name in COMPOSITES]
+                         + [pytest.param("EPSILON_PLUS_FLAT", False, marks=pytest.mark.slow)],
                          ids=[*COMPOSITES, "EPSILON_PLUS_FLAT-eager"])
 def test_lrp_on_a_resnet_equals_zennit_with_resnet_canonizer(ref: dict[str, np.ndarray], name: str,
                                                              jit: bool) -> None:
@@ -209,6 +211,7 @@ def test_lrp_on_a_resnet_equals_zennit_with_resnet_canonizer(ref: dict[str, np.n
                                atol=TOL * scale * 10)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("twin", ["flax", "equinox"])
 def test_flax_and_equinox_resnets_equal_zennit_too(ref: dict[str, np.ndarray], twin: str) -> None:
     # BatchNorm as the libraries write it (linen's and Equinox's modules in inference mode) folds like the
