@@ -30,6 +30,9 @@ What it does:
    ``max |gradkit - zennit| / max |zennit|`` per composite, model and twin
    (goal <= 1e-4), with ΣR per image beside Zennit's. A control row: gradkit
    with ``canonize=False`` (where ``lrp`` has that option) against Zennit.
+   With ``--float64``, both libraries again in float64 (plain-JAX twin), and
+   Zennit's float32 maps against its float64 ones: float32's own error on
+   the same network, the scale against which to read the float32 rows.
 3. Times one batch under ``jax.jit``: each composite against plain
    ``jax.grad`` of the same model (same process) and against Zennit's
    composite in PyTorch at 1 thread and at the core count (medians of
@@ -223,6 +226,31 @@ def agreement(kind: str, model: nn.Module, jax_models: dict[str, twins.JaxModel]
     return rows, sums
 
 
+def float64_rows(kind: str, x: np.ndarray, target: np.ndarray, composites: list[str]) -> list[dict[str, Any]]:
+    """Float32 rounding or a different rule? Both libraries in float64 (a fresh model: Zennit's canonizers leave
+    instance attributes on a model that ``.to(float64)`` does not convert), and Zennit float32 against float64."""
+    rows: list[dict[str, Any]] = []
+    model32 = torch_model(kind)
+    model64 = torch_model(kind).double()
+    jax.config.update("jax_enable_x64", True)
+    try:
+        fn = twins.TWINS[kind]["jax"](state(model64))
+        x64 = x.astype(np.float64)
+        for name in composites:
+            ref64 = zennit_lrp(model64, kind, name, x64, target)
+            ref32 = zennit_lrp(model32, kind, name, x, target)
+            ours64 = np.asarray(gk_lrp(fn, COMPOSITES[name][0])(jnp.asarray(x64), jnp.asarray(target, jnp.int32)))
+            assert ours64.dtype == np.float64 and ref64.dtype == np.float64
+            scale = float(abs(ref64).max())
+            rows += [{"model": kind, "composite": name, "twin": "jax, float64 (vs Zennit float64)",
+                      "rel_diff": rel_diff(ours64, ref64), "max_abs_ref": scale},
+                     {"model": kind, "composite": name, "twin": "(Zennit float32 vs Zennit float64)",
+                      "rel_diff": rel_diff(ref32, ref64), "max_abs_ref": scale, "scale_row": True}]
+    finally:
+        jax.config.update("jax_enable_x64", False)
+    return rows
+
+
 def timing(kind: str, model: nn.Module, fn: twins.JaxModel, x: np.ndarray, target: np.ndarray,
            composites: list[str], repeats: int, threads: int) -> dict[str, Any]:
     """Seconds per batch: each composite (jit) against ``jax.grad`` (jit) and Zennit at ``threads`` threads."""
@@ -302,6 +330,8 @@ def markdown(rows: list[dict[str, Any]], sums: list[dict[str, Any]], timings: li
              "|---|---|---|---|---|---|"]
     for r in rows:
         ok = "yes" if r["rel_diff"] <= GOAL else ("error: " + r["error"] if "error" in r else "**NO**")
+        if r.get("scale_row"):
+            ok = "(float32's own error, for scale)"
         if r.get("control"):
             ok = "(control: should be NO)" if r["rel_diff"] <= GOAL else "no, as it should"
         lines.append(f"| {r['model']} | {r['composite']} | {r['twin']} | {r['rel_diff']:.2e} | "
@@ -334,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", choices=("resnet", "vgg"), default=["resnet", "vgg"])
     parser.add_argument("--twins", nargs="+", choices=("jax", "flax", "equinox"), default=["jax", "flax", "equinox"])
     parser.add_argument("--no-timing", action="store_true", help="agreement only")
+    parser.add_argument("--float64", action="store_true",
+                        help="also both libraries in float64 (plain-JAX twin), and Zennit float32 against float64")
     parser.add_argument("--repeats", type=int, default=None, help="timing repeats (default 5, --quick 2)")
     parser.add_argument("--torch-threads", type=int, nargs="+", default=[os.cpu_count() or 1, 1],
                         help="PyTorch thread counts to time, one timing table each (default: the core count, and 1)")
@@ -359,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
         with torch.no_grad():
             target = np.argmax(model(torch.from_numpy(x)).numpy(), axis=-1)
         r, s = agreement(kind, model, jax_models, x, target, composites)
+        if args.float64:
+            r += float64_rows(kind, x, target, composites)
         rows += r
         sums += s
         print(markdown(r, s, [], env, shapes), flush=True)
@@ -368,8 +402,9 @@ def main(argv: list[str] | None = None) -> int:
                                       args.repeats or (2 if args.quick else 5), threads))
         del model, params, jax_models
     print("\n\n" + markdown(rows, sums, timings, env, shapes))
-    worst = {f"{r['model']} {r['composite']}": max(q["rel_diff"] for q in rows if q["model"] == r["model"]
-                                                   and q["composite"] == r["composite"]) for r in rows}
+    kept = [r for r in rows if not r.get("scale_row") and not r.get("control")]
+    worst = {f"{r['model']} {r['composite']}": max(q["rel_diff"] for q in kept if q["model"] == r["model"]
+                                                   and q["composite"] == r["composite"]) for r in kept}
     result = {"environment": env, "goal": GOAL, "shapes": shapes, "agreement": rows, "sums": sums,
               "worst_rel_diff": worst, "timing": timings}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
