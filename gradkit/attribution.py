@@ -28,8 +28,8 @@ from gradkit._src.attribution.lrp import EPSILON_PLUS_FLAT as EPSILON_PLUS_FLAT
 from gradkit._src.attribution.lrp import FORMS as FORMS
 from gradkit._src.attribution.lrp import KINDS as KINDS
 from gradkit._src.attribution.lrp import STRUCTURAL_OPS as STRUCTURAL_OPS
-from gradkit._src.attribution.lrp import LrpReport as LrpReport
 from gradkit._src.attribution.lrp import Composite as Composite
+from gradkit._src.attribution.lrp import LrpReport as LrpReport
 from gradkit._src.attribution.lrp import lrp as lrp
 from gradkit._src.attribution.lrp_rules import LrpRule as LrpRule
 from gradkit._src.attribution.lrp_rules import alpha_beta as alpha_beta

@@ -164,6 +164,8 @@ class Plan:
                     self.batch_stats.append(i)
                 elif prim == "reduce_window_sum" or self._only_use(eqn.invars[0]):
                     self._pool(i, eqn)
+            elif prim in ("psum", "pmean") and dyn and batch is not None and 0 in eqn.params.get("axes", ()):
+                self.batch_stats.append(i)  # a collective over the batch axis (Equinox's BatchNorm under vmap)
             elif prim in ("reduce_window_max", "reduce_max") and dyn == [0]:
                 self.units[i] = Unit("max_pool", i)
             elif prim == "add" and len(dyn) == 2 and all(_is_float(a) for a in eqn.invars):
@@ -182,8 +184,12 @@ class Plan:
         return not is_literal(v) and self.only_user(v) is not None
 
     def _over_batch(self, eqn: JaxprEqn, batch: int) -> bool:
+        """A sum over the batch axis that keeps a feature axis (a normalization over all axes of one example,
+        under a ``vmap`` of LRP, is not one) of a value used elsewhere too (not a pooling)."""
         shape = _shape(eqn.invars[0])
-        return len(shape) >= 2 and shape[0] == batch and 0 in tuple(eqn.params.get("axes", ()))
+        axes = tuple(eqn.params.get("axes", ()))
+        return (len(shape) >= 2 and shape[0] == batch and 0 in axes and len(axes) < len(shape)
+                and not self._only_use(eqn.invars[0]))
 
     def _layout_chain(self, v: Any) -> tuple[list[int], Any, int | None]:
         chain: list[int] = []

@@ -48,7 +48,7 @@ from gradkit._src.compat.jaxprs import (
     scan_layout,
 )
 from gradkit._src.compat.layer_scan import ACTIVATION_FUNCTIONS, LAYOUT, Plan, Unit, is_varying, literal_scalar
-from gradkit._src.compat.source import source_line
+from gradkit._src.compat.source import call_site, source_line
 from gradkit._src.errors import GradkitError
 
 __all__ = ["ACTIVATION_FUNCTIONS", "LAYER_KINDS", "STRUCTURAL", "Layer", "run_layers"]
@@ -59,7 +59,7 @@ LAYER_KINDS = ("dense", "conv", "avg_pool", "max_pool", "activation", "sum")
 STRUCTURAL = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "broadcast_in_dim", "slice",
                         "dynamic_slice", "gather", "concatenate", "pad", "convert_element_type", "copy", "copy_p",
                         "rev", "reduce_precision", "optimization_barrier", "sharding_constraint"})
-_CALLS = frozenset({"checkpoint", "remat", "closed_call", "core_call"})  # entered like jit
+_CALLS = frozenset({"checkpoint", "remat", "remat2", "closed_call", "core_call"})  # entered like jit
 # Ops whose output is nonnegative when the operands named by _SIGN_OPERANDS (default: all) are.
 _KEEPS_SIGN = LAYOUT | {"reduce_window_max", "reduce_window_sum", "broadcast_in_dim", "reduce_max", "reduce_sum",
                         "slice", "pad", "concatenate", "rev", "gather", "dynamic_slice", "select_n", "add", "mul",
@@ -191,11 +191,14 @@ class _Runner:
             prim = eqn.primitive.name
             if any(flags) and (is_jit(eqn) or prim in _CALLS):
                 inner, inner_consts = jaxpr_parts(eqn.params["jaxpr"])
-                outs = self.run(inner, inner_consts, invals, flags, nn, batch)
+                with call_site(eqn):  # a library's jitted body has no user line: its caller's
+                    outs = self.run(inner, inner_consts, invals, flags, nn, batch)
             elif any(flags[1:]) and prim == "cond":
-                outs = self._cond(eqn, invals, flags, nn)
+                with call_site(eqn):
+                    outs = self._cond(eqn, invals, flags, nn)
             elif any(flags) and prim == "scan":
-                outs = self._scan(eqn, invals, flags, nn)
+                with call_site(eqn):
+                    outs = self._scan(eqn, invals, flags, nn)
             else:
                 if any(f and _is_float(a) for f, a in zip(flags, eqn.invars)):
                     self._check_ruled(eqn)
@@ -255,7 +258,7 @@ class _Runner:
         return layer
 
     def _sum(self, eqn: JaxprEqn, invals: list[Any], nonneg: bool) -> Any:
-        shape = tuple(eqn.outvars[0].aval.shape)
+        shape = tuple(getattr(eqn.outvars[0].aval, "shape", ()))
         stacked = jnp.stack([jnp.broadcast_to(v, shape) for v in invals], axis=-1)
 
         def apply(sv: Any) -> Any:
@@ -329,7 +332,7 @@ class _Runner:
     @staticmethod
     def _fold(u: Unit, w: Any, v: Any, tail: list[JaxprEqn], read: Callable[[Any], Any]) -> tuple[Any, Any]:
         """The weight and bias of the layer with its affine tail folded in: ``W' = W·s``, ``b' = A(b)``."""
-        out = tail[-1].outvars[0].aval
+        out: Any = tail[-1].outvars[0].aval
         s: Any = 1.0
         t: Any = 0.0
         ops = tail
