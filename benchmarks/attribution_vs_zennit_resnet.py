@@ -363,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="2 images at 3x64x64, 2 composites, 2 repeats")
     parser.add_argument("--models", nargs="+", choices=("resnet", "vgg"), default=["resnet", "vgg"])
     parser.add_argument("--twins", nargs="+", choices=("jax", "flax", "equinox"), default=["jax", "flax", "equinox"])
+    parser.add_argument("--composites", nargs="+", choices=list(COMPOSITES), default=None,
+                        help="the composites to compare (default all; --quick two)")
     parser.add_argument("--no-timing", action="store_true", help="agreement only")
     parser.add_argument("--float64", action="store_true",
                         help="also both libraries in float64 (plain-JAX twin), and Zennit float32 against float64")
@@ -378,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     env = environment()
     batch = 2 if args.quick else 8
     sizes = {"resnet": 64 if args.quick else 224, "vgg": 64}
-    composites = ["EPSILON_PLUS_FLAT", "EPSILON_GAMMA_BOX"] if args.quick else list(COMPOSITES)
+    composites = args.composites or (["EPSILON_PLUS_FLAT", "EPSILON_GAMMA_BOX"] if args.quick else list(COMPOSITES))
     shapes = {k: f"batch {batch} at 3x{sizes[k]}x{sizes[k]}" for k in args.models}
     rows: list[dict[str, Any]] = []
     sums: list[dict[str, Any]] = []
