@@ -40,6 +40,11 @@ What it does:
 4. Prints Markdown tables and writes JSON to ``--out`` (default
    ``benchmarks/results_attribution_vs_zennit_resnet.json``, gitignored).
 
+Memory: every jitted function keeps its model's weights (VGG-16's are
+0.55 GB) as constants, so the whole run, three twins of both models, holds
+over 10 GB. On a 24 GB machine shared with others, run one model at a time
+(``--models resnet``, then ``--models vgg``), and time with ``--twins jax``.
+
 ``--make-reference`` instead writes ``tests/data/lrp_zennit_tiny_resnet.npz``:
 a tiny ResNet built from torchvision's ``BasicBlock`` (8 and 16 channels,
 4 images 3x16x16), its weights, the images, the targets, the logits and
