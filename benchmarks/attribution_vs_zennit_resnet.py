@@ -407,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
             for threads in dict.fromkeys(args.torch_threads):
                 timings.append(timing(kind, model, jax_models["jax"], x, target, composites,
                                       args.repeats or (2 if args.quick else 5), threads))
+                print(markdown([], [], timings[-1:], env, shapes).split("\n", 1)[1], flush=True)
         del model, params, jax_models
     print("\n\n" + markdown(rows, sums, timings, env, shapes))
     kept = [r for r in rows if not r.get("scale_row") and not r.get("control")]
