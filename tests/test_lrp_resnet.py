@@ -265,6 +265,8 @@ GLOBAL = {
     "sum_div": lambda h: jnp.sum(h, axis=(1, 2)) / 9,
     "recip_mul": lambda h: (1 / 9) * jnp.sum(h, axis=(1, 2)),
     "mul_recip": lambda h: jnp.sum(h, axis=(1, 2)) * (1 / 9),
+    "mean_keepdims": lambda h: jnp.mean(h, axis=(1, 2), keepdims=True)[:, 0, 0],
+    "sum_keepdims_div": lambda h: (jnp.sum(h, axis=(1, 2), keepdims=True) / 9).reshape(h.shape[0], -1),
     "window": lambda h: (jax.lax.reduce_window(h, 0.0, jax.lax.add, (1, 3, 3, 1), (1, 1, 1, 1), "VALID")
                          / 9).reshape(h.shape[0], -1),
 }

@@ -304,6 +304,10 @@ class Plan:
 
     def _pool(self, i: int, eqn: JaxprEqn) -> None:
         chain, v, j = self._layout_chain(eqn.outvars[0])
+        while j is not None and _adds_unit_axes(self.eqns[j]):  # a mean with keepdims=True: the sum's axes back
+            chain.append(j)
+            more, v, j = self._layout_chain(self.eqns[j].outvars[0])
+            chain += more
         e = None if j is None else self.eqns[j]
         if e is not None and e.primitive.name in ("div", "mul") and len(e.invars) == 2:
             pos = 0 if e.invars[0] is v else 1
@@ -358,3 +362,10 @@ def _is_activation(eqn: JaxprEqn, k: int) -> bool:
         return len(eqn.invars) == 2 and literal_scalar(eqn.invars[1 - k]) is not None
     name = eqn_name(eqn)
     return name.startswith("fn:") and name[3:] in ACTIVATION_FUNCTIONS and len(eqn.invars) == 1
+
+
+def _adds_unit_axes(eqn: JaxprEqn) -> bool:
+    """``eqn`` is a ``broadcast_in_dim`` that only inserts axes of size 1 (a reshape: ``keepdims=True``)."""
+    if eqn.primitive.name != "broadcast_in_dim" or len(eqn.invars) != 1:
+        return False
+    return int(np.prod(_shape(eqn.invars[0]))) == int(np.prod(_shape(eqn.outvars[0])))
