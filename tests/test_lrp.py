@@ -568,3 +568,22 @@ def test_plain_function_activations_pass_relevance_through(act, x64):
         one = jax.vmap(lambda v, ti, comp=comp: A.lrp(jax.jit(lambda u: net(u[None])[0]), v, comp, target=ti))(
             x, jnp.asarray(t))
         close(one, got, 1e-9)
+
+
+def test_the_no_rule_warning_names_a_notebook_cell_not_its_temporary_file(monkeypatch):
+    """In Jupyter each cell is compiled into a temporary file; the warning names the cell (as IPython's own
+    tracebacks do), so a saved notebook shows no machine path. IPython's shell is stood in for by its interface:
+    ``get_ipython().compile.format_code_name(file)`` gives ``("Cell", "In[N]")`` for a cell's file."""
+    import sys
+    import types
+
+    here = __file__
+    shell = types.SimpleNamespace(compile=types.SimpleNamespace(
+        format_code_name=lambda path: ("Cell", "In[7]") if path == here else None))
+    monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: shell))
+    rng = np.random.default_rng(5)
+    w1, w2 = rng.normal(size=(3, 4)).astype(np.float32), rng.normal(size=(4, 2)).astype(np.float32)
+    f = lambda v: jnp.sin(v @ w1) @ w2
+    with pytest.warns(gk.GradkitWarning, match=rf"sin at cell In\[7\]:{f.__code__.co_firstlineno} \(") as caught:
+        A.lrp(f, rng.normal(size=(2, 3)).astype(np.float32), A.EPSILON_PLUS)
+    assert here not in str(caught[0].message)

@@ -22,6 +22,7 @@ gradient, as in Zennit.
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
@@ -33,6 +34,7 @@ from gradkit._src import compat
 from gradkit._src.attribution import lrp_rules as rules
 from gradkit._src.attribution.attribution import _cotangent
 from gradkit._src.attribution.lrp_rules import LrpRule
+from gradkit._src.checks.describe import short_path
 from gradkit._src.errors import GradkitError, GradkitWarning
 
 __all__ = ["EPSILON_ALPHA2_BETA1", "EPSILON_ALPHA2_BETA1_FLAT", "EPSILON_GAMMA_BOX", "EPSILON_PLUS",
@@ -226,8 +228,14 @@ def _nan_outside(cot: jax.Array, out: jax.Array, target: Any) -> jax.Array:
     return jnp.where(jnp.broadcast_to(bad[..., None], cot.shape), jnp.asarray(jnp.nan, cot.dtype), cot)
 
 
+def _shown(where: str) -> str:
+    """``file:line (function)`` as a reader sees it: a notebook cell, not its temporary file (``short_path``)."""
+    m = re.fullmatch(r"(.+):(\d+) \((.*)\)", where)
+    return f"{short_path(m[1])}:{m[2]} ({m[3]})" if m else where
+
+
 def _report_unruled(unruled: list[tuple[str, str, str]], strict: bool) -> None:
-    seen = list(dict.fromkeys(unruled))
+    seen = list(dict.fromkeys((op, _shown(where), hint) for op, where, hint in unruled))
     lines = "; ".join(f"{op} at {where} ({hint})" for op, where, hint in seen[:8])
     more = f"; and {len(seen) - 8} more" if len(seen) > 8 else ""
     msg = (f"attribution.lrp: {len(seen)} op(s) on the relevance path have no LRP rule and keep their gradient, "
