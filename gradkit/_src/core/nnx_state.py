@@ -314,7 +314,8 @@ class Route(Generic[R]):
         variable = self._nnx.Variable
         if isinstance(node, variable):
             return out
-        for name, value in vars(node).items():
+        for key, value in vars(node).items():
+            name = str(key)  # flax 0.12.0 keeps an nnx.List's entries under their int indices
             if name.startswith("_pytree__") or name == module_paths.TAG or isinstance(value, variable):
                 continue
             if self._is_node(value):
