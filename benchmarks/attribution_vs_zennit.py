@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import json
 import os
 import platform
 import statistics
@@ -64,7 +63,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import samples
+from common import samples, write_json
 
 import gradkit as gk
 
@@ -528,11 +527,7 @@ def main(argv: list[str] | None = None) -> int:
                      and not r.get("control")), default=None) for m in METHODS}
     result = {"environment": env, "goal": GOAL, "batch": BATCH, "fixed_class": FIXED_CLASS, "agreement": rows,
               "worst_rel_diff": worst, "timing": timings}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"\nwrote {args.out}")
-    return 0
+    return write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -57,7 +57,6 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import inspect
-import json
 import os
 import platform
 import statistics
@@ -80,7 +79,7 @@ from torchvision.models.resnet import BasicBlock
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import resnet_twins as twins
-from common import samples
+from common import samples, write_json
 
 import gradkit as gk
 
@@ -415,11 +414,7 @@ def main(argv: list[str] | None = None) -> int:
                                                    and q["composite"] == r["composite"]) for r in kept}
     result = {"environment": env, "goal": GOAL, "shapes": shapes, "agreement": rows, "sums": sums,
               "worst_rel_diff": worst, "timing": timings}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"\nwrote {args.out}")
-    return 0
+    return write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -89,3 +91,12 @@ def mlp_problem(batch: int, width: int, depth: int) -> tuple[Any, Any, Any]:
     x = jax.random.normal(keys[-1], (batch, 32), jnp.float32)
     y = (x[:, 0] > 0).astype(jnp.float32)
     return params, x, y
+
+
+def write_json(path: str, result: dict[str, Any]) -> int:
+    """Writes a reference comparison's ``result`` to ``path`` (its folder made if needed), says so; exit code 0."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"\nwrote {path}")
+    return 0

@@ -104,22 +104,30 @@ methods = {
 }
 maps = {name: np.asarray(jax.jit(lambda x, m=m: m(f, x))(x_test))[..., 0] for name, m in methods.items()}
 
+def show_maps(images, labels, maps, notes=None, figsize=(14, 8)):
+    """One row per image: the image, then each method's map (red positive, blue negative, each to its own max)."""
+    fig, axes = plt.subplots(len(images), len(maps) + 1, figsize=figsize)
+    for row, (image, label) in enumerate(zip(images, labels)):
+        axes[row, 0].imshow(image, cmap="gray")
+        axes[row, 0].set_ylabel(label)
+        for col, (name, m) in enumerate(maps.items(), start=1):
+            a = m[row]
+            axes[row, col].imshow(a, cmap="RdBu_r", vmin=-np.abs(a).max(), vmax=np.abs(a).max())
+            if notes is not None:
+                axes[row, col].set_xlabel(notes[name][row])
+            if row == 0:
+                axes[row, col].set_title(name)
+    axes[0, 0].set_title("image")
+    for ax in axes.flat:
+        ax.set_xticks([])
+        ax.set_yticks([])
+    plt.tight_layout()
+    plt.show()
+
+
 shown = [int(np.flatnonzero(np.asarray(y_test) == c)[0]) for c in range(4)]
-fig, axes = plt.subplots(4, 7, figsize=(14, 8))
-for row, i in enumerate(shown):
-    axes[row, 0].imshow(np.asarray(x_test[i, ..., 0]), cmap="gray")
-    axes[row, 0].set_ylabel(SHAPES[int(y_test[i])])
-    for col, (name, m) in enumerate(maps.items(), start=1):
-        a = m[i]
-        axes[row, col].imshow(a, cmap="RdBu_r", vmin=-np.abs(a).max(), vmax=np.abs(a).max())
-        if row == 0:
-            axes[row, col].set_title(name)
-axes[0, 0].set_title("image")
-for ax in axes.flat:
-    ax.set_xticks([])
-    ax.set_yticks([])
-plt.tight_layout()
-plt.show()
+show_maps([np.asarray(x_test[i, ..., 0]) for i in shown], [SHAPES[int(y_test[i])] for i in shown],
+          {name: m[shown] for name, m in maps.items()})
 
 # %% [markdown]
 # How much of each map lies on the shape? The share of the map's absolute
@@ -267,22 +275,8 @@ for name, c in [("canonized", composite), ("adds keep gradient", sum_keeps_gradi
 # of its maximum, averaged over the four images.
 
 # %%
-fig, axes = plt.subplots(4, 5, figsize=(11, 9))
-for row in range(4):
-    axes[row, 0].imshow(np.asarray(x_res[row, ..., 0]), cmap="gray")
-    axes[row, 0].set_ylabel(SHAPES[int(y_test[shown[row]])])
-    for col, name in enumerate(res_maps, start=1):
-        a = res_maps[name][row]
-        axes[row, col].imshow(a, cmap="RdBu_r", vmin=-np.abs(a).max(), vmax=np.abs(a).max())
-        axes[row, col].set_xlabel(f"ΣR = {res_sums[name][row]:.2f}")
-        if row == 0:
-            axes[row, col].set_title(name)
-axes[0, 0].set_title("image")
-for ax in axes.flat:
-    ax.set_xticks([])
-    ax.set_yticks([])
-plt.tight_layout()
-plt.show()
+show_maps([np.asarray(x_res[row, ..., 0]) for row in range(4)], [SHAPES[int(y_test[i])] for i in shown], res_maps,
+          notes={name: [f"ΣR = {v:.2f}" for v in res_sums[name]] for name in res_maps}, figsize=(11, 9))
 
 def scaled(a):
     return a / np.abs(a).max(axis=(1, 2), keepdims=True)
