@@ -232,14 +232,17 @@ def test_the_step_is_unknown_when_an_earlier_wrapped_call_was_still_running():
 
     ones, hole = jnp.ones(3), jnp.array([1.0, 0.0, 2.0])
     _, pending = step(ones, ones, jnp.full((400, 400), 1 / 400))  # returns while `slow` runs: not finished
-    assert not pending.is_ready()  # (the premise: the products take far longer than a return)
+    running = not pending.is_ready()
+    # the premise: the products take far longer than a return. JAX 0.10+ dispatches them asynchronously on the
+    # CPU; JAX 0.8's CPU client may run them inside the call, and then the call finished: its step is known
+    assert running or jax.__version_info__ < (0, 10)
     pending.block_until_ready()  # finished now, but no call of the step saw it finish
     step(hole, ones)  # bad, after a call that had not finished when it returned: which step is not known
     step(ones, ones)  # each call since finished inside its call: numbering resumes
     step(ones, hole)  # bad: step 4
     log, sqrt = g.reports
-    assert log.audit.findings[0].op == "log" and log.call is None
-    assert log.headline.endswith("(a compiled step, loss = -inf)")
+    assert log.audit.findings[0].op == "log" and log.call == (None if running else 2)
+    assert log.headline.endswith("(a compiled step, loss = -inf)" if running else "(step 2, loss = -inf)")
     assert sqrt.audit.findings[0].op == "sqrt" and sqrt.call == 4 and "(step 4, loss = " in sqrt.headline
 
 
