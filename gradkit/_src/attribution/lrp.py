@@ -43,8 +43,8 @@ from gradkit._src.attribution.lrp_rules import LrpRule
 from gradkit._src.checks.describe import short_path
 from gradkit._src.errors import GradkitError, GradkitWarning
 
-__all__ = ["ATTN_LRP", "CP_LRP", "EPSILON_ALPHA2_BETA1", "EPSILON_ALPHA2_BETA1_FLAT", "EPSILON_GAMMA_BOX", "EPSILON_PLUS",
-           "EPSILON_PLUS_FLAT", "FORMS", "KINDS", "STRUCTURAL_OPS", "Composite", "LrpReport", "lrp"]
+__all__ = ["ATTN_LRP", "CP_LRP", "EPSILON_ALPHA2_BETA1", "EPSILON_ALPHA2_BETA1_FLAT", "EPSILON_GAMMA_BOX",
+           "EPSILON_PLUS", "EPSILON_PLUS_FLAT", "FORMS", "KINDS", "STRUCTURAL_OPS", "Composite", "LrpReport", "lrp"]
 
 #: the keys a composite may have.
 KINDS: tuple[str, ...] = (*compat.LAYER_KINDS, "first", "first_conv", "product", "normalizer", "softmax")
@@ -375,7 +375,8 @@ def lrp(fn: Callable[[jax.Array], jax.Array], x: Any, composite: Mapping[str, Lr
             return r
         leaf = jax.tree_util.tree_leaves(x)[0]
         batched = out.ndim >= 2 and jnp.ndim(leaf) >= 1 and jnp.shape(leaf)[0] == out.shape[0]
-        total = sum(_per_example(a, batched) for a in jax.tree_util.tree_leaves(r))
+        parts = [_per_example(a, batched) for a in jax.tree_util.tree_leaves(r)]
+        total = parts[0] + sum(parts[1:], jnp.zeros_like(parts[0]))
         return r, LrpReport(total, _per_example(cot, batched), _per_example(cot * out, batched))
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.inexact):

@@ -46,6 +46,7 @@ from gradkit._src.compat.callbacks import (
     kept_callback,
     kept_callback_p,
 )
+from gradkit._src.compat.gform import GSite, run_gradient_form
 from gradkit._src.compat.jaxprs import (
     CONCRETIZATION_ERRORS,
     CUSTOM_VJP_PRIMITIVES,
@@ -106,7 +107,6 @@ from gradkit._src.compat.jaxprs import (
     typed_like,
     while_layout,
 )
-from gradkit._src.compat.gform import GSite, run_gradient_form
 from gradkit._src.compat.layers import (
     ACTIVATION_FUNCTIONS,
     LAYER_KINDS,

@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 
+from gradkit._src.compat.gform_scan import GPlan, Site
 from gradkit._src.compat.jaxprs import (
     bind,
     cond_layout,
@@ -27,7 +28,6 @@ from gradkit._src.compat.jaxprs import (
     read_atom,
     scan_layout,
 )
-from gradkit._src.compat.gform_scan import GPlan, Site
 from gradkit._src.compat.layer_scan import is_varying
 from gradkit._src.compat.source import call_site, source_line
 
