@@ -40,7 +40,7 @@ def _core(q: jax.Array, k: jax.Array, v: jax.Array, hooks: Hooks) -> jax.Array:
 
 
 def _check(fn: Any, ref: Any, x: jax.Array, composite: Any, hooks: Hooks) -> None:
-    target = int(jnp.argmax(fn(x, PLAIN)))
+    target = int(jnp.argmax(jax.jit(lambda v: fn(v, PLAIN))(x)))
     r = jax.jit(lambda v: gk.attribution.lrp(lambda u: fn(u, PLAIN), v, composite, target=target))(x)
 
     @jax.jit
@@ -124,3 +124,34 @@ def test_equinox_multihead_attention(name: str, composite: Any, hooks: Hooks) ->
         return (lin(mha.output_proj, o) @ w)[-1]
 
     _check(fn, ref, jax.random.normal(jax.random.key(8), (T, D)), composite, hooks)
+
+
+@jax.custom_vjp
+def _dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Stands in for cuDNN's fused kernel (the ``custom_vjp`` of that name in ``jax.nn.dot_product_attention``)."""
+    return _core(q, k, v, PLAIN)
+
+
+def _kernel_fwd(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, Any]:
+    return jax.vjp(lambda *a: _core(*a, PLAIN), q, k, v)
+
+
+_dot_product_attention.defvjp(_kernel_fwd, lambda pullback, g: pullback(g))
+
+
+@pytest.mark.parametrize("name,composite,hooks", [("attn", gk.attribution.ATTN_LRP, ATTN),
+                                                  ("cp", gk.attribution.CP_LRP, CP)])
+def test_an_opaque_attention_kernel_gets_the_factors_at_its_call(name: str, composite: Any, hooks: Hooks) -> None:
+    wq, wk, wv = (jax.random.normal(jax.random.key(i), (D, D)) / math.sqrt(D) for i in (10, 11, 12))
+    w = _readout(13)
+
+    def split(x: jax.Array, m: jax.Array) -> jax.Array:
+        return (x @ m).reshape(T, H, HD)
+
+    def fn(x: jax.Array, hooks: Hooks) -> jax.Array:
+        return (_dot_product_attention(split(x, wq), split(x, wk), split(x, wv)).reshape(T, D) @ w)[-1]
+
+    def ref(x: jax.Array, hooks: Hooks) -> jax.Array:
+        return (_core(split(x, wq), split(x, wk), split(x, wv), hooks).reshape(T, D) @ w)[-1]
+
+    _check(fn, ref, jax.random.normal(jax.random.key(14), (T, D)), composite, hooks)
