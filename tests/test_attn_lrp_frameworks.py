@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attn_models import ATTN, CP, PLAIN, Hooks
+from attn_models import ATTN, CP, PLAIN, Cfg, Hooks, block, init, inputs, model, reference, rms_norm
 from flax import linen, nnx
 
 import gradkit as gk
@@ -155,3 +155,35 @@ def test_an_opaque_attention_kernel_gets_the_factors_at_its_call(name: str, comp
         return (_core(split(x, wq), split(x, wk), split(x, wv), hooks).reshape(T, D) @ w)[-1]
 
     _check(fn, ref, jax.random.normal(jax.random.key(14), (T, D)), composite, hooks)
+
+
+@pytest.mark.slow
+def test_blocks_stacked_with_linen_scan_and_remat() -> None:
+    """linen ``nn.scan`` over ``nn.remat`` blocks (whose parameters are the plain model's) against the reference."""
+    cfg = Cfg(layers=2, attention="dpa", kv_heads=1)
+    params = init(cfg, 15)
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *params["layers"])
+
+    class Block(linen.Module):
+        @linen.compact
+        def __call__(self, h: jax.Array, _: Any) -> tuple[jax.Array, None]:
+            p = {k: self.param(k, lambda key, v=v: v[0]) for k, v in stacked.items()}
+            return block(cfg, p, h, PLAIN), None
+
+    Stack = linen.scan(linen.remat(Block), variable_axes={"params": 0}, split_rngs={"params": True},
+                       length=cfg.layers)
+    e = inputs(cfg, 15)
+    variables = {"params": stacked}
+
+    def fn(v: jax.Array) -> jax.Array:
+        h, _ = Stack().apply(variables, v, None)
+        h = rms_norm(h, params["nf"], PLAIN)
+        return (h @ params["head"])[-1]
+
+    ref_cfg = cfg._replace(stack="scan")
+    np.testing.assert_allclose(np.asarray(jax.jit(fn)(e)), np.asarray(jax.jit(
+        lambda v: model(ref_cfg, params, v, PLAIN))(e)), rtol=1e-5, atol=1e-6)
+    target = 2
+    r = jax.jit(lambda v: gk.attribution.lrp(fn, v, gk.attribution.ATTN_LRP, target=target))(e)
+    ref = jax.jit(lambda v: reference(ref_cfg, params, v, ATTN, target))(e)
+    np.testing.assert_allclose(np.asarray(r), np.asarray(ref), rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(ref))))
