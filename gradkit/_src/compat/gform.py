@@ -72,8 +72,9 @@ class _Runner:
         self.kinds: dict[str, int] = {}
 
     def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], varying: Sequence[bool],
-            gates: Sequence[bool]) -> tuple[list[Any], list[bool]]:
-        plan = GPlan(jaxpr, varying, gates)
+            gates: Sequence[bool], stats: Sequence[bool] = (), normalizing: Sequence[bool] = ()
+            ) -> tuple[list[Any], list[bool]]:
+        plan = GPlan(jaxpr, varying, gates, stats, normalizing)
         env: dict[Any, Any] = {}
         for v, c in zip(jaxpr.constvars, consts):
             env[v] = c
@@ -90,13 +91,15 @@ class _Runner:
             flags = [is_varying(a, plan.varying) for a in eqn.invars]
             prim = eqn.primitive.name
             in_gates = [not is_literal(a) and a in plan.gates for a in eqn.invars]
+            in_stats = [not is_literal(a) and a in plan.stat for a in eqn.invars]
             if any(flags) and (is_jit(eqn) or prim in _CALLS or prim in _REMAT):
                 inner, inner_consts = jaxpr_parts(eqn.params["jaxpr"])
                 with call_site(eqn):
+                    norm = [v in plan.stat and plan.feeds_statistic(v) for v in eqn.outvars]
                     if prim in _REMAT:
-                        outs = self._remat(eqn, inner, inner_consts, invals, flags, in_gates)
+                        outs = self._remat(eqn, inner, inner_consts, invals, flags, in_gates, in_stats)
                     else:
-                        outs, _ = self.run(inner, inner_consts, invals, flags, in_gates)
+                        outs, _ = self.run(inner, inner_consts, invals, flags, in_gates, in_stats, norm)
             elif any(flags[1:]) and prim == "cond":
                 with call_site(eqn):
                     outs = self._cond(eqn, invals, flags, in_gates)
@@ -110,9 +113,9 @@ class _Runner:
         return [read(a) for a in jaxpr.outvars], plan.out_gates
 
     def _remat(self, eqn: Any, inner: Any, inner_consts: Sequence[Any], invals: list[Any], flags: list[bool],
-               gates: list[bool]) -> list[Any]:
+               gates: list[bool], stats: list[bool]) -> list[Any]:
         def body(*ops: Any) -> list[Any]:
-            return self.run(inner, inner_consts, list(ops), flags, gates)[0]
+            return self.run(inner, inner_consts, list(ops), flags, gates, stats)[0]
 
         policy = eqn.params.get("policy")
         prevent_cse = eqn.params.get("prevent_cse", True)

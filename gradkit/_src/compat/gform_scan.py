@@ -113,10 +113,37 @@ def stops_gradient(eqn: JaxprEqn) -> bool:
     return eqn.primitive.name == "stop_gradient"
 
 
+def _statistics(jaxpr: Any, varying: set[Any], stat_in: Sequence[bool]) -> set[Any]:
+    """Varying values computed from a reduction by element-wise ops and broadcasts only (also out of a ``jit``)."""
+    stat: set[Any] = {v for v, s in zip(jaxpr.invars, stat_in) if s}
+    for eqn in jaxpr.eqns:
+        prim = eqn.primitive.name
+        dyn = [a for a in eqn.invars if is_varying(a, varying)]
+        if not dyn or stops_gradient(eqn):
+            continue
+        if (is_jit(eqn) or prim in _CALLS) and len(eqn.outvars) >= 1:
+            inner, _ = jaxpr_parts(eqn.params["jaxpr"])
+            flags = [is_varying(a, varying) for a in eqn.invars]
+            inner_varying = {v for v, f in zip(inner.invars, flags) if f}
+            for e in inner.eqns:
+                if not stops_gradient(e) and any(is_varying(a, inner_varying) for a in e.invars):
+                    inner_varying.update(e.outvars)
+            inner_stat = _statistics(inner, inner_varying, [not is_literal(a) and a in stat for a in eqn.invars])
+            stat.update(v for v, a in zip(eqn.outvars, inner.outvars) if not is_literal(a) and a in inner_stat)
+        elif len(eqn.outvars) != 1:
+            continue
+        elif prim in _REDUCTIONS or prim in ("psum", "pmean"):
+            stat.add(eqn.outvars[0])
+        elif (prim in _ELEMENTWISE or prim in _SPREAD) and all(a in stat for a in dyn):
+            stat.add(eqn.outvars[0])
+    return stat
+
+
 class GPlan:
     """One jaxpr's gradient-form plan: its sites (by last equation), the equations deferred into them."""
 
-    def __init__(self, jaxpr: Any, varying_in: Sequence[bool], gates_in: Sequence[bool] = ()) -> None:
+    def __init__(self, jaxpr: Any, varying_in: Sequence[bool], gates_in: Sequence[bool] = (),
+                 stats_in: Sequence[bool] = (), normalizing_out: Sequence[bool] = ()) -> None:
         self.eqns = list(jaxpr.eqns)
         self.varying: set[Any] = {v for v, d in zip(jaxpr.invars, varying_in) if d}
         self.producer: dict[Any, int] = {}
@@ -130,10 +157,12 @@ class GPlan:
                 if not is_literal(a):
                     self.users.setdefault(a, []).append(i)
         self.outs = {a for a in jaxpr.outvars if not is_literal(a)}
+        # outputs the caller (this is a jit body) uses as a statistic that normalizes a value
+        self.normalizing = {a for a, n in zip(jaxpr.outvars, normalizing_out) if n and not is_literal(a)}
         self.sites: dict[int, Site] = {}
         self.deferred: set[int] = set()
         self.softmax: set[int] = set()  # the div (and exp) equations of softmaxes
-        self.stat = self._statistics()
+        self.stat = _statistics(jaxpr, self.varying, stats_in)
         taken = self._find_softmax()
         self._find_regions(taken)
         self.gates: set[Any] = {v for v, g in zip(jaxpr.invars, gates_in) if g}
@@ -162,20 +191,6 @@ class GPlan:
             j = self.producer.get(v)
         return v, j
 
-    def _statistics(self) -> set[Any]:
-        """Varying values computed from a reduction by element-wise ops and broadcasts only."""
-        stat: set[Any] = set()
-        for eqn in self.eqns:
-            if len(eqn.outvars) != 1 or not self._var(eqn.outvars[0]):
-                continue
-            prim = eqn.primitive.name
-            dyn = [a for a in eqn.invars if self._var(a)]
-            if prim in _REDUCTIONS or (prim in ("psum", "pmean")):
-                stat.add(eqn.outvars[0])
-            elif (prim in _ELEMENTWISE or prim in _SPREAD) and dyn and all(a in stat for a in dyn):
-                stat.add(eqn.outvars[0])
-        return stat
-
     def _find_softmax(self) -> set[int]:
         taken: set[int] = set()
         for i, eqn in enumerate(self.eqns):
@@ -193,12 +208,14 @@ class GPlan:
                 taken.add(j)
         return taken
 
-    def _feeds_statistic(self, v: Any) -> bool:
+    def feeds_statistic(self, v: Any) -> bool:
         """``v`` is reduced to a statistic that then normalizes or shifts a varying value (``x²`` before the
         mean of an RMSNorm, the ``exp`` of a logsumexp)."""
         todo, seen = [v], set()
         while todo:
             w = todo.pop()
+            if w in self.normalizing:
+                return True
             for u in self.users.get(w, []):
                 e = self.eqns[u]
                 if u in seen:
@@ -210,6 +227,8 @@ class GPlan:
                     if any(self._var(a) and a not in self.stat for a in e.invars):
                         return True
                     todo.extend(e.outvars)
+                elif w in self.stat and (is_jit(e) or e.primitive.name in _CALLS):
+                    todo.extend(o for o in e.outvars if o in self.stat)
         return False
 
     # ------------------------------------------------------------------ activations
@@ -285,7 +304,7 @@ class GPlan:
                     continue
                 if not self._closed(eqns_, end) or not any(self._nonlinear_end(j) for j in eqns_):
                     break
-                if self._feeds_statistic(eqn.outvars[0]):
+                if self.feeds_statistic(eqn.outvars[0]):
                     break
                 name = next((n for j in eqns_ if (n := _activation_call(self.eqns[j]))), "") or \
                     self.eqns[end].primitive.name
