@@ -194,8 +194,12 @@ def test_what_the_dataflow_finds() -> None:
     gparams = init(gcfg, 0)
     # the LayerNorm's centring is no normalizer; GELU's tanh form is one activation
     assert kinds(lambda v: model(gcfg, gparams, v, PLAIN), e) == {"normalizer": 3, "product": 2, "activation": 1}
-    # a log-softmax's exp (a logsumexp) is no activation
+    # a log-softmax's exp (a logsumexp) is no activation; a softmax with where= is a softmax (no normalizer)
     assert kinds(lambda v: jax.nn.log_softmax(v @ params["head"]), e) == {}
+    mask = jnp.arange(cfg.d) % 3 > 0
+    assert kinds(lambda v: jax.nn.softmax(v * 2.0, where=mask), e) == {}
+    # a gated MLP whose gate and up come out of one matrix product: an activation and a product
+    assert kinds(lambda v: jax.nn.gelu(v[:, :8]) * v[:, 8:], e) == {"activation": 1, "product": 1}
 
 
 def test_rules_that_do_not_fit_the_form() -> None:

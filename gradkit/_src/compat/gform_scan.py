@@ -202,11 +202,25 @@ class GPlan:
             den, k = self._back(eqn.invars[1], _PASS | {"broadcast_in_dim"})
             if k is None or self.eqns[k].primitive.name != "reduce_sum":
                 continue
-            src, _ = self._back(self.eqns[k].invars[0], _PASS)
+            src = self._unmask(self.eqns[k].invars[0])
             if src is num:
                 self.softmax.update((i, j))
                 taken.add(j)
         return taken
+
+    def _unmask(self, v: Any) -> Any:
+        """``v`` followed back through layout ops and masks (a ``select_n``/``where`` or a product with one
+        varying operand): ``jax.nn.softmax(..., where=)`` sums the masked ``exp``."""
+        while True:
+            v, j = self._back(v, _PASS)
+            if j is None:
+                return v
+            e = self.eqns[j]
+            dyn = [a for a in e.invars if self._var(a)]
+            masking = e.primitive.name in ("select_n", "mul") or (is_jit(e) and eqn_name(e) == "fn:_where")
+            if not masking or len(dyn) != 1 or (e.primitive.name == "select_n" and e.invars[0] is dyn[0]):
+                return v
+            v = dyn[0]
 
     def feeds_statistic(self, v: Any) -> bool:
         """``v`` is reduced to a statistic that then normalizes or shifts a varying value (``x²`` before the
