@@ -42,11 +42,12 @@ def compare(cfg: Cfg, seed: int, composite: Any, hooks: Hooks, *, jit: bool = Fa
     refs = lambda v: _references(cfg, params, v, hooks, target)
     r = (jax.jit(run) if jit else run)(e)
     ref, plain = (jax.jit(refs) if jit else refs)(e)
-    np.testing.assert_allclose(np.asarray(r), np.asarray(ref), rtol=rtol, atol=atol * float(jnp.max(jnp.abs(ref))))
-    np.testing.assert_allclose(np.asarray(r.sum(-1)), np.asarray(ref.sum(-1)), rtol=1e-4,
-                               atol=10 * atol * float(jnp.max(jnp.abs(ref))))
+    r, ref, plain = (np.asarray(a).astype(np.float64) for a in (r, ref, plain))  # bfloat16 too
+    scale = float(np.max(np.abs(ref)))
+    np.testing.assert_allclose(r, ref, rtol=rtol, atol=atol * scale)
+    np.testing.assert_allclose(r.sum(-1), ref.sum(-1), rtol=max(rtol, 1e-4), atol=10 * atol * scale)
     # the rules change the result: the reference is not the plain gradient × input
-    assert float(jnp.max(jnp.abs(plain - ref))) > 1e-3 * float(jnp.max(jnp.abs(ref)))
+    assert float(np.max(np.abs(plain - ref))) > 1e-3 * scale
 
 
 # --------------------------------------------------------------------------- tests
@@ -100,6 +101,13 @@ def test_scan_eager_and_gpt2_scan() -> None:
     compare(Cfg(stack="scan", kv_heads=1), 3, ATTN_LRP, ATTN)
     compare(Cfg(style="gpt2", bias=True, kv_heads=4, attention="inline", mask="add", stack="scan"), 4, CP_LRP, CP,
             jit=True)
+
+
+@pytest.mark.slow
+def test_bfloat16() -> None:
+    compare(Cfg(layers=1), 12, ATTN_LRP, ATTN, jit=True, rtol=2e-2, atol=2e-2, dtype=jnp.bfloat16)
+    compare(Cfg(layers=1, style="gpt2", kv_heads=4), 13, CP_LRP, CP, jit=True, rtol=2e-2, atol=2e-2,
+            dtype=jnp.bfloat16)
 
 
 @pytest.mark.slow
@@ -190,6 +198,10 @@ def test_what_the_dataflow_finds() -> None:
     e = inputs(cfg, 0)
     # per block: 2 RMSNorms, q·kᵀ, A·v, silu(gate)·up; plus the final RMSNorm. The softmax's exp is no activation.
     assert kinds(lambda v: model(cfg, params, v, PLAIN), e) == {"normalizer": 5, "product": 6, "activation": 2}
+    # the same in bfloat16 (which NumPy does not count as floating point)
+    bf16 = init(cfg, 0, jnp.bfloat16)
+    assert kinds(lambda v: model(cfg, bf16, v, PLAIN), e.astype(jnp.bfloat16)) == {"normalizer": 5, "product": 6,
+                                                                                   "activation": 2}
     gcfg = Cfg(style="gpt2", bias=True, kv_heads=4, layers=1, attention="inline")
     gparams = init(gcfg, 0)
     # the LayerNorm's centring is no normalizer; GELU's tanh form is one activation

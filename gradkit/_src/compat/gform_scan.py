@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
+import jax.numpy as jnp
 
 from gradkit._src.compat.jaxprs import JaxprEqn, eqn_name, is_custom_derivative, is_jit, is_literal, jaxpr_parts
 from gradkit._src.compat.layer_scan import ACTIVATION_FUNCTIONS, is_varying, literal_scalar
@@ -98,7 +98,7 @@ def _fits(shape: tuple[int, ...], out: tuple[int, ...]) -> bool:
 
 def _is_float(atom: Any) -> bool:
     dtype = getattr(atom.aval, "dtype", None)
-    return dtype is not None and bool(np.issubdtype(dtype, np.inexact))
+    return dtype is not None and bool(jnp.issubdtype(dtype, jnp.inexact))  # bfloat16 too (NumPy's is not)
 
 
 def _activation_call(eqn: JaxprEqn) -> str | None:
