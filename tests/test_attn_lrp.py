@@ -226,3 +226,24 @@ def test_rules_that_do_not_fit_the_form() -> None:
     assert gk.attribution.ATTN_LRP.form == gk.attribution.CP_LRP.form == "gradient"
     assert gk.attribution.FORMS == ("relevance", "gradient")
     assert (ATTN_LRP | {"activation": gk.attribution.identity(1e-6)})["activation"] == gk.attribution.identity(1e-6)
+
+
+@pytest.mark.parametrize("branch", [0, 1])
+def test_inside_cond_and_switch(branch: int) -> None:
+    keys = jax.random.split(jax.random.key(20), 4)
+    w1, w2, w3 = (jax.random.normal(k, (6, 6)) / 3 for k in keys[:3])
+    x = jax.random.normal(keys[3], (6,))
+
+    def body(v: jax.Array, hooks: Any) -> list[jax.Array]:
+        gated = hooks.gate(hooks.act(jax.nn.silu, v @ w1), v @ w2) @ w3
+        normed = v * hooks.norm(jax.lax.rsqrt(jnp.mean(v * v) + 1e-6))
+        return [gated, normed @ w3]
+
+    def fn(v: jax.Array, hooks: Any, index: Any) -> jax.Array:
+        return jax.lax.switch(index, [lambda u: body(u, hooks)[0], lambda u: body(u, hooks)[1]], v)
+
+    index = jnp.asarray(branch)  # a traced index: the runner must enter both branches
+    r = jax.jit(lambda v, i: gk.attribution.lrp(lambda u: fn(u, PLAIN, i), v, ATTN_LRP, target=2))(x, index)
+    g = jax.grad(lambda v: fn(v, ATTN, branch)[2])(x)
+    np.testing.assert_allclose(np.asarray(r), np.asarray(x * g), rtol=1e-5, atol=1e-7)
+    assert float(jnp.max(jnp.abs(x * jax.grad(lambda v: fn(v, PLAIN, branch)[2])(x) - r))) > 1e-4
