@@ -36,7 +36,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from gradkit._src.compat.jaxprs import JaxprEqn, eqn_name, is_custom_derivative, is_jit, is_literal, jaxpr_parts
-from gradkit._src.compat.layer_scan import ACTIVATION_FUNCTIONS, is_varying, literal_scalar
+from gradkit._src.compat.layer_scan import ACTIVATION_FUNCTIONS, is_varying
 
 __all__ = ["GPlan", "Site"]
 
@@ -71,11 +71,12 @@ _PASS = frozenset({"convert_element_type", "copy", "copy_p", "reshape", "squeeze
 class Site:
     """Equations that take one rule: ``kind``, the equations (indices, the last one defines the output).
 
-    ``inputs`` are the varying operands the rule sees: the region's input for
-    an activation, the two operands of a product or normalizer (``eqns`` is
-    one equation). ``gates``: per operand, whether it comes out of a softmax
-    or an activation (products); ``normalizer``: which operand is the
-    statistic (normalizers).
+    ``inputs``: the region's input (activations), or the equation's operands
+    (products, normalizers: ``eqns`` is one equation). ``gates``: per
+    operand, whether it comes out of a softmax or an activation (products);
+    ``normalizer``: which operand is the statistic (normalizers);
+    ``fused``: a fused attention kernel ``softmax(q·kᵀ)·v`` whose first three
+    operands are q, k and v.
     """
 
     kind: str
@@ -381,10 +382,6 @@ class GPlan:
             return
         if prim == "select_n" and dyn == [0]:
             return
-        if prim in ("pad", "dynamic_slice", "gather", "concatenate") and dyn != [0] and prim != "concatenate":
+        if prim in ("pad", "dynamic_slice", "gather") and dyn != [0]:
             return
         self.gates.add(eqn.outvars[0])
-
-
-def scalar_literal(atom: Any) -> float | None:
-    return literal_scalar(atom)
