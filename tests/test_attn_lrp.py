@@ -247,3 +247,18 @@ def test_inside_cond_and_switch(branch: int) -> None:
     g = jax.grad(lambda v: fn(v, ATTN, branch)[2])(x)
     np.testing.assert_allclose(np.asarray(r), np.asarray(x * g), rtol=1e-5, atol=1e-7)
     assert float(jnp.max(jnp.abs(x * jax.grad(lambda v: fn(v, PLAIN, branch)[2])(x) - r))) > 1e-4
+
+
+def test_an_opaque_custom_vjp_on_the_path_is_named() -> None:
+    @jax.custom_vjp
+    def square_kernel(v: jax.Array) -> jax.Array:
+        return v * v
+
+    square_kernel.defvjp(lambda v: (v * v, v), lambda v, g: (2 * v * g,))
+    fn = lambda v: square_kernel(v)[:1]
+    x = jnp.array([1.5, -2.0])
+    with pytest.warns(gk.GradkitWarning, match=r"keep their own derivative.*square_kernel at .*test_attn_lrp.py"):
+        r = gk.attribution.lrp(fn, x, ATTN_LRP)
+    np.testing.assert_allclose(np.asarray(r), [2 * 1.5 * 1.5, 0.0])  # its own gradient × input
+    with pytest.raises(gk.GradkitError, match=r"strict=True makes this an error"):
+        gk.attribution.lrp(fn, x, ATTN_LRP, strict=True)

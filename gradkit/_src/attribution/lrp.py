@@ -319,8 +319,10 @@ def lrp(fn: Callable[[jax.Array], jax.Array], x: Any, composite: Mapping[str, Lr
     nonlinearity (``"activation"``, also written out as ``x*sigmoid(x)``) and
     the statistic of a LayerNorm or RMSNorm (``"normalizer"``). ``x`` may be
     a pytree of arrays (token and position embeddings); the relevance has its
-    structure. ``canonize`` and ``strict`` do not apply (no op is left
-    without a rule: the others' gradient is the rule).
+    structure. ``canonize`` does not apply; a ``custom_jvp``/``custom_vjp``
+    function on the relevance path (other than an activation and cuDNN's
+    attention) keeps its own derivative, with a warning (``strict=True``: an
+    error).
 
     **Canonization** (``canonize=True``, Zennit's canonizers, found by
     dataflow): a per-channel affine map with constant operands right after a
@@ -384,7 +386,7 @@ def lrp(fn: Callable[[jax.Array], jax.Array], x: Any, composite: Mapping[str, Lr
                            f"gk.attribution.EPSILON_PLUS), got {type(composite).__name__}.")
     composite = composite if isinstance(composite, Composite) else Composite(composite)
     if composite.form == "gradient":
-        r, out, cot = attn_lrp.run_gradient_form(fn, x, composite, target, _nan_outside)
+        r, out, cot = attn_lrp.run_gradient_form(fn, x, composite, target, _nan_outside, bool(strict))
         if not check:
             return r
         leaf = jax.tree_util.tree_leaves(x)[0]

@@ -22,6 +22,8 @@ from gradkit._src.compat.gform_scan import GPlan, Site
 from gradkit._src.compat.jaxprs import (
     bind,
     cond_layout,
+    eqn_name,
+    is_custom_derivative,
     is_jit,
     is_literal,
     jaxpr_parts,
@@ -70,6 +72,7 @@ class _Runner:
         self.handle = handle
         self.count = 0
         self.kinds: dict[str, int] = {}
+        self.opaque: list[tuple[str, str]] = []
 
     def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], varying: Sequence[bool],
             gates: Sequence[bool], stats: Sequence[bool] = (), normalizing: Sequence[bool] = ()
@@ -107,6 +110,8 @@ class _Runner:
                 with call_site(eqn):
                     outs = self._scan(eqn, invals, flags, in_gates)
             else:
+                if any(flags) and is_custom_derivative(eqn):  # its own derivative: its inside is unseen
+                    self.opaque.append((eqn_name(eqn), source_line(eqn)))
                 outs = bind(eqn, invals)
             for v, o in zip(eqn.outvars, outs):
                 env[v] = o
@@ -179,8 +184,8 @@ class _Runner:
         return self.handle(g, [read(a) for a in last.invars])
 
 
-def run_gradient_form(fn: Callable[[Any], Any], x: Any, handle: Callable[[GSite, list[Any]], Any]
-                      ) -> tuple[list[Any], Any, dict[str, int]]:
+def run_gradient_form(fn: Callable[[Any], Any], x: Any, handle: Callable[[GSite, list[Any]], Any],
+                      opaque: list[tuple[str, str]] | None = None) -> tuple[list[Any], Any, dict[str, int]]:
     """Runs ``fn(x)`` (``x`` a pytree of arrays) with each gradient-form rule site computed by ``handle``.
 
     ``handle(site, operands)`` must return what ``site.apply(*operands)``
@@ -188,6 +193,9 @@ def run_gradient_form(fn: Callable[[Any], Any], x: Any, handle: Callable[[GSite,
     ``x``'s type; its program is then evaluated in the current trace (under
     ``jit``, ``vmap``, ``vjp``). Returns ``(outputs as a flat list, output
     tree structure, how many sites of each kind ran in the traced program)``.
+    ``opaque``, when given, collects ``(function, source line)`` of each
+    ``custom_jvp``/``custom_vjp`` function on the input's path that keeps its
+    own derivative (its products and nonlinearities take no rule).
     """
     leaves, tree = jax.tree_util.tree_flatten(x)
     closed, shape = jax.make_jaxpr(lambda *ls: fn(jax.tree_util.tree_unflatten(tree, list(ls))),
@@ -195,4 +203,6 @@ def run_gradient_form(fn: Callable[[Any], Any], x: Any, handle: Callable[[GSite,
     jaxpr, consts = jaxpr_parts(closed)
     runner = _Runner(handle)
     outs, _ = runner.run(jaxpr, consts, leaves, [True] * len(leaves), [False] * len(leaves))
+    if opaque is not None:
+        opaque.extend(runner.opaque)
     return outs, jax.tree_util.tree_structure(shape), dict(runner.kinds)
