@@ -22,7 +22,8 @@ its PyTorch names and layouts (``nn.Linear`` weights ``(out, in)``, GPT-2's
   pre-norm blocks with ``nn.MultiheadAttention``'s packed ``in_proj``, exact
   GELU, the head on the class token).
 
-The forwards are plain JAX as people write them. The only extra is ``rules``:
+The forwards are plain JAX as people write them (broadcasts spelled out:
+the project's tests run with ``jax_numpy_rank_promotion='raise'``). The only extra is ``rules``:
 an object with four methods called at the points where LXT 2.1's efficient
 mode changes the backward (:data:`PLAIN` returns its inputs unchanged, so the
 traced program is the unmodified model). ``attribution_vs_lxt.py`` and the
@@ -156,7 +157,7 @@ def llama(p: Params, heads: int, kv_heads: int | None = None, eps: float = 1e-6,
     kv_heads = kv_heads or heads
 
     def rms_norm(x: jax.Array, weight: jax.Array) -> jax.Array:
-        return weight * (x * rules.norm(jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)))
+        return weight[None, None, :] * (x * rules.norm(jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)))
 
     def rotate_half(x: jax.Array) -> jax.Array:
         half = x.shape[-1] // 2
@@ -172,14 +173,14 @@ def llama(p: Params, heads: int, kv_heads: int | None = None, eps: float = 1e-6,
         inv_freq = 1.0 / theta ** (np.arange(0, hd, 2, dtype=np.float32) / hd)
         angles = np.arange(t, dtype=np.float32)[:, None] * inv_freq[None, :]
         angles = np.concatenate([angles, angles], axis=-1)
-        cos, sin = jnp.asarray(np.cos(angles))[:, None, :], jnp.asarray(np.sin(angles))[:, None, :]
+        cos, sin = jnp.asarray(np.cos(angles))[None, :, None, :], jnp.asarray(np.sin(angles))[None, :, None, :]
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         q, k, v = rules.attention(q, k, v)
         k = jnp.repeat(k, heads // kv_heads, axis=2)
         v = jnp.repeat(v, heads // kv_heads, axis=2)
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)
-        causal = jnp.tril(jnp.ones((t, t), bool))
+        causal = jnp.tril(jnp.ones((t, t), bool))[None, None]
         scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
         attn = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
         out = jnp.einsum("bhqk,bkhd->bqhd", attn, v).reshape(b, t, d)
@@ -208,7 +209,7 @@ def llama(p: Params, heads: int, kv_heads: int | None = None, eps: float = 1e-6,
 def _layer_norm(rules: PlainRules, x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
     mean = jnp.mean(x, axis=-1, keepdims=True)
     var = jnp.mean((x - mean) ** 2, axis=-1, keepdims=True)
-    return (x - mean) / rules.norm(jnp.sqrt(var + eps)) * weight + bias
+    return (x - mean) / rules.norm(jnp.sqrt(var + eps)) * weight[None, None, :] + bias[None, None, :]
 
 
 def gelu_tanh(x: jax.Array) -> jax.Array:
@@ -228,19 +229,19 @@ def gpt2(p: Params, heads: int, eps: float = 1e-5, gelu: str = "inline", split_p
         b, t, d = x.shape
         hd = d // heads
         pre = f"transformer.h.{i}.attn."
-        qkv = x @ w[pre + "c_attn.weight"] + w[pre + "c_attn.bias"]
+        qkv = x @ w[pre + "c_attn.weight"] + w[pre + "c_attn.bias"][None, None, :]
         q, k, v = (a.reshape(b, t, heads, hd).transpose(0, 2, 1, 3) for a in jnp.split(qkv, 3, axis=-1))
         q, k, v = rules.attention(q, k, v)
         scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(hd)
-        causal = jnp.tril(jnp.ones((t, t), bool))
+        causal = jnp.tril(jnp.ones((t, t), bool))[None, None]
         scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
         out = (jax.nn.softmax(scores, axis=-1) @ v).transpose(0, 2, 1, 3).reshape(b, t, d)
-        return out @ w[pre + "c_proj.weight"] + w[pre + "c_proj.bias"]
+        return out @ w[pre + "c_proj.weight"] + w[pre + "c_proj.bias"][None, None, :]
 
     def mlp(x: jax.Array, i: int) -> jax.Array:
         pre = f"transformer.h.{i}.mlp."
-        hidden = rules.act(act, x @ w[pre + "c_fc.weight"] + w[pre + "c_fc.bias"])
-        return hidden @ w[pre + "c_proj.weight"] + w[pre + "c_proj.bias"]
+        hidden = rules.act(act, x @ w[pre + "c_fc.weight"] + w[pre + "c_fc.bias"][None, None, :])
+        return hidden @ w[pre + "c_proj.weight"] + w[pre + "c_proj.bias"][None, None, :]
 
     def ln(x: jax.Array, name: str) -> jax.Array:
         return _layer_norm(rules, x, w[name + ".weight"], w[name + ".bias"], eps)
@@ -253,7 +254,7 @@ def gpt2(p: Params, heads: int, eps: float = 1e-5, gelu: str = "inline", split_p
 
     if split_positions:
         return lambda xs: body(xs[0] + xs[1])
-    return lambda emb: body(emb + w["transformer.wpe.weight"][: emb.shape[1]])
+    return lambda emb: body(emb + w["transformer.wpe.weight"][None, : emb.shape[1]])
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -274,11 +275,11 @@ def vit(p: Params, heads: int, eps: float = 1e-6, rules: PlainRules = PLAIN) -> 
         hd = d // heads
         wq, wk, wv = jnp.split(w[pre + "in_proj_weight"], 3, axis=0)
         bq, bk, bv = jnp.split(w[pre + "in_proj_bias"], 3)
-        q, k, v = ((x @ m.T + c).reshape(b, t, heads, hd) for m, c in ((wq, bq), (wk, bk), (wv, bv)))
+        q, k, v = ((x @ m.T + c[None, None, :]).reshape(b, t, heads, hd) for m, c in ((wq, bq), (wk, bk), (wv, bv)))
         q, k, v = rules.attention(q, k, v)
         attn = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd), axis=-1)
         out = jnp.einsum("bhqk,bkhd->bqhd", attn, v).reshape(b, t, d)
-        return out @ w[pre + "out_proj.weight"].T + w[pre + "out_proj.bias"]
+        return out @ w[pre + "out_proj.weight"].T + w[pre + "out_proj.bias"][None, None, :]
 
     def fn(img: jax.Array) -> jax.Array:
         x = jax.lax.conv_general_dilated(img, w["conv_proj.weight"], (patch, patch), "VALID",
@@ -293,9 +294,9 @@ def vit(p: Params, heads: int, eps: float = 1e-6, rules: PlainRules = PLAIN) -> 
             x = x + attention(ln(x, pre + "ln_1"), pre + "self_attention.")
             y = ln(x, pre + "ln_2")
             y = rules.act(lambda a: jax.nn.gelu(a, approximate=False), y @ w[pre + "mlp.0.weight"].T
-                          + w[pre + "mlp.0.bias"])
-            x = x + y @ w[pre + "mlp.3.weight"].T + w[pre + "mlp.3.bias"]
+                          + w[pre + "mlp.0.bias"][None, None, :])
+            x = x + y @ w[pre + "mlp.3.weight"].T + w[pre + "mlp.3.bias"][None, None, :]
         x = ln(x, "encoder.ln")
-        return x[:, 0] @ w["heads.head.weight"].T + w["heads.head.bias"]
+        return x[:, 0] @ w["heads.head.weight"].T + w["heads.head.bias"][None, :]
 
     return fn
