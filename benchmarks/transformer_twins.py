@@ -300,3 +300,26 @@ def vit(p: Params, heads: int, eps: float = 1e-6, rules: PlainRules = PLAIN) -> 
         return x[:, 0] @ w["heads.head.weight"].T + w["heads.head.bias"][None, :]
 
     return fn
+
+
+def random_llama(key: jax.Array, layers: int, hidden: int, mlp: int, vocab: int, heads: int,
+                 kv_heads: int | None = None) -> dict[str, np.ndarray]:
+    """Random LLaMA weights under Hugging Face's names (normal, std 1/sqrt(fan-in); norm scales 1): for timing."""
+    kv_heads = kv_heads or heads
+    hd = hidden // heads
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
+              "lm_head.weight": (vocab, hidden)}
+    for i in range(layers):
+        pre = f"model.layers.{i}."
+        shapes |= {pre + "input_layernorm.weight": (hidden,), pre + "post_attention_layernorm.weight": (hidden,),
+                   pre + "self_attn.q_proj.weight": (hidden, hidden),
+                   pre + "self_attn.k_proj.weight": (kv_heads * hd, hidden),
+                   pre + "self_attn.v_proj.weight": (kv_heads * hd, hidden),
+                   pre + "self_attn.o_proj.weight": (hidden, hidden),
+                   pre + "mlp.gate_proj.weight": (mlp, hidden), pre + "mlp.up_proj.weight": (mlp, hidden),
+                   pre + "mlp.down_proj.weight": (hidden, mlp)}
+    out = {}
+    for k, (name, shape) in zip(jax.random.split(key, len(shapes)), shapes.items()):
+        out[name] = (np.ones(shape, np.float32) if len(shape) == 1 else
+                     np.asarray(jax.random.normal(k, shape, jnp.float32)) / np.sqrt(shape[-1]))
+    return out

@@ -44,6 +44,11 @@ RTOL, ATOL, TOKEN_TOL = 1e-4, 1e-6, 1e-3
 HEADS = {"llama": (2, 2), "llama_gqa": (4, 2), "gpt2": (2, 2), "vit": (2, 2)}
 CASES = [("llama", "attnlrp"), ("llama", "cp"), ("llama_gqa", "attnlrp"), ("llama_gqa", "cp"),
          ("gpt2", "attnlrp"), ("gpt2", "cp"), ("vit", "cp")]
+
+
+def cases(default: set[tuple[str, str]]) -> list[Any]:
+    """:data:`CASES`, those not in ``default`` marked slow (the default set stays within its time budget)."""
+    return [pytest.param(*c, id="-".join(c), marks=() if c in default else pytest.mark.slow) for c in CASES]
 COMPOSITES = {"attnlrp": "ATTN_LRP", "cp": "CP_LRP"}
 LXT_RULES = {"attnlrp": tt.LXT_ATTN_LRP, "cp": tt.LXT_CP_LRP}
 
@@ -99,7 +104,8 @@ def lxt_form(fn: Callable[[Any], jax.Array], x: Any, target: np.ndarray) -> Any:
     return jax.tree_util.tree_map(jnp.multiply, x, jax.grad(score)(x))
 
 
-@pytest.mark.parametrize("kind", list(HEADS))
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=() if k == "llama_gqa" else pytest.mark.slow)
+                                  for k in HEADS])
 def test_twins_reproduce_the_stored_logits(ref: dict[str, np.ndarray], kind: str) -> None:
     # The twins read the stored weights as PyTorch computed with them, or nothing below means anything.
     logits = np.asarray(jax.jit(model(ref, kind))(inputs(ref, kind)))
@@ -107,7 +113,7 @@ def test_twins_reproduce_the_stored_logits(ref: dict[str, np.ndarray], kind: str
     np.testing.assert_array_equal(np.argmax(logits, -1), ref[f"{kind}/target"])
 
 
-@pytest.mark.parametrize(("kind", "method"), CASES)
+@pytest.mark.parametrize(("kind", "method"), cases({("llama_gqa", "attnlrp")}))
 def test_the_lxt_rules_written_in_jax_reproduce_lxt(ref: dict[str, np.ndarray], kind: str, method: str) -> None:
     # The stored relevances are LXT's efficient rules on these weights, independent of gradkit.
     r = jax.jit(lambda v: lxt_form(model(ref, kind, LXT_RULES[method]), v, ref[f"{kind}/target"]))(inputs(ref, kind))
@@ -129,7 +135,8 @@ def test_the_stored_maps_tell_the_methods_apart(ref: dict[str, np.ndarray]) -> N
         assert np.all(np.abs(sums / logit - 1) > 0.2)
 
 
-@pytest.mark.parametrize(("kind", "method"), CASES)
+@pytest.mark.parametrize(("kind", "method"), cases({("llama_gqa", "attnlrp"), ("gpt2", "attnlrp"),
+                                                    ("vit", "cp")}))
 def test_lrp_equals_lxt(ref: dict[str, np.ndarray], kind: str, method: str) -> None:
     fn = model(ref, kind)
     composite = getattr(gk.attribution, COMPOSITES[method])
@@ -138,6 +145,7 @@ def test_lrp_equals_lxt(ref: dict[str, np.ndarray], kind: str, method: str) -> N
     assert_like_lxt(r, ref[f"{kind}/{method}/relevance"], kind)
 
 
+@pytest.mark.slow
 def test_lrp_equals_lxt_without_jit_and_one_sequence_at_a_time(ref: dict[str, np.ndarray]) -> None:
     # Eagerly, and per sequence: the batch's rows are independent explanations.
     fn = model(ref, "llama")
@@ -147,7 +155,7 @@ def test_lrp_equals_lxt_without_jit_and_one_sequence_at_a_time(ref: dict[str, np
         assert_like_lxt(r, ref["llama/attnlrp/relevance"][i:i + 1], "llama")
 
 
-@pytest.mark.parametrize("method", ["attnlrp", "cp"])
+@pytest.mark.parametrize("method", ["cp", pytest.param("attnlrp", marks=pytest.mark.slow)])
 def test_relevance_at_the_position_embeddings_as_lxt(ref: dict[str, np.ndarray], method: str) -> None:
     # GPT-2 explained with respect to (token embeddings, position embeddings): both parts as LXT reads them.
     p = params(ref, "gpt2")
@@ -170,7 +178,7 @@ def test_gpt2_with_jax_gelu_equals_lxt_too(ref: dict[str, np.ndarray]) -> None:
     assert_like_lxt(r, ref["gpt2/attnlrp/relevance"], "gpt2")
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])
 def test_gradient_times_input_is_far_from_lxt(ref: dict[str, np.ndarray], kind: str) -> None:
     # The control: the plain gradient (no rules) must fail the comparison by far.
     fn = model(ref, kind)
