@@ -198,8 +198,8 @@ def lxt_patch(kind: str, method: str) -> None:
     from lxt.efficient import monkey_patch
 
     if kind == "vit":
-        from torchvision.models import vision_transformer
         from lxt.efficient.models.vit_torch import cp_LRP
+        from torchvision.models import vision_transformer
 
         monkey_patch(vision_transformer, cp_LRP)
         return
@@ -297,9 +297,9 @@ def compare(ours: np.ndarray, ref: np.ndarray, token_axes: tuple[int, ...]) -> d
 def agreement(refs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     import jax
     import jax.numpy as jnp
+    import transformer_twins as tt
 
     import gradkit as gk
-    import transformer_twins as tt
 
     composites = {m: getattr(gk.attribution, n, None) for m, n in (("attnlrp", "ATTN_LRP"), ("cp", "CP_LRP"))}
     rules = {"attnlrp": tt.LXT_ATTN_LRP, "cp": tt.LXT_CP_LRP}
@@ -319,10 +319,10 @@ def agreement(refs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             comp = composites[method]
             if comp is None:
                 continue
+            fn = twin(kind, params)
             try:
-                ours = np.asarray(jax.jit(lambda v, t, comp=comp, fn=twin(kind, params):
-                                          gk.attribution.lrp(fn, v, comp, target=t))(jnp.asarray(x),
-                                                                                     jnp.asarray(target)))
+                ours = np.asarray(jax.jit(lambda v, t, comp=comp, fn=fn: gk.attribution.lrp(fn, v, comp, target=t))(
+                    jnp.asarray(x), jnp.asarray(target)))
             except Exception as exc:  # a row, not a crash: the rest of the table still tells
                 rows.append({"model": kind, "method": method, "what": "gradkit vs LXT",
                              "error": f"{type(exc).__name__}: {exc}"[:400]})
@@ -392,7 +392,7 @@ def perf_torch_child(args: argparse.Namespace) -> int:
             ids = torch.from_numpy(np.random.default_rng(0).integers(0, PERF_SIZE["vocab"], (b, t)))
             emb0 = model.get_input_embeddings()(ids).detach()
 
-            def once() -> float:
+            def once(emb0: Any = emb0) -> float:
                 t0 = time.perf_counter()
                 emb = emb0.clone().requires_grad_(True)
                 last = model(inputs_embeds=emb, use_cache=False).logits[:, -1, :]
@@ -413,27 +413,28 @@ def perf_jax(repeats: int) -> list[dict[str, Any]]:
     """One jitted ATTN_LRP explanation (and the hand-written LXT form) against one jitted ``jax.grad``."""
     import jax
     import jax.numpy as jnp
-
-    import gradkit as gk
     import transformer_twins as tt
     from common import samples
 
+    import gradkit as gk
+
     model = torch_model("llama_perf", perf=PERF_SIZE)
     params = state(model)
+    plain = tt.llama(params, 4, 4)
+    form = tt.llama(params, 4, 4, rules=tt.LXT_ATTN_LRP)
     rows = []
     for b, t in PERF_SHAPES:
         rng = np.random.default_rng(0)
         x = jnp.asarray(params["model.embed_tokens.weight"][rng.integers(0, PERF_SIZE["vocab"], (b, t))])
-        plain = tt.llama(params, 4, 4)
-        form = tt.llama(params, 4, 4, rules=tt.LXT_ATTN_LRP)
         target = jnp.argmax(plain(x)[:, -1, :], -1)
 
-        def grad_fn(v: jax.Array, fn: Any = plain) -> jax.Array:
+        def grad_fn(v: jax.Array, fn: Any = plain, target: jax.Array = target) -> jax.Array:
             return v * jax.grad(lambda u: jnp.sum(jnp.take_along_axis(fn(u)[:, -1, :], target[:, None], -1)))(v)
 
-        fns = {"jax.grad": jax.jit(grad_fn), "LXT form (JAX)": jax.jit(lambda v: grad_fn(v, form))}
+        fns = {"jax.grad": jax.jit(grad_fn),
+               "LXT form (JAX)": jax.jit(lambda v, grad_fn=grad_fn: grad_fn(v, form))}
         if hasattr(gk.attribution, "ATTN_LRP"):
-            fns["gradkit ATTN_LRP"] = jax.jit(lambda v: gk.attribution.lrp(
+            fns["gradkit ATTN_LRP"] = jax.jit(lambda v, target=target: gk.attribution.lrp(
                 lambda u: plain(u)[:, -1, :], v, gk.attribution.ATTN_LRP, target=target))
         memory = {}
         for k, f in fns.items():
@@ -441,7 +442,7 @@ def perf_jax(repeats: int) -> list[dict[str, Any]]:
                 memory[k] = int(f.lower(x).compile().memory_analysis().temp_size_in_bytes)
             except Exception:  # some backends have no memory analysis
                 memory[k] = None
-        times = samples({k: (lambda f=f: f(x)) for k, f in fns.items()}, repeats, 1, warmup=1)
+        times = samples({k: (lambda f=f, x=x: f(x)) for k, f in fns.items()}, repeats, 1, warmup=1)
         for k in fns:
             rows.append({"method": k, "batch": b, "seq": t, "min_s": min(times[k]), "temp_bytes": memory[k]})
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
@@ -487,8 +488,8 @@ def markdown(rows: list[dict[str, Any]], perf_result: dict[str, Any] | None) -> 
             lines.append(f"| {r['model']} | | {r['what']} | {r['max_abs']:.2e} | {r['max_ref']:.3g} | | | | |")
             continue
 
-        def ratio(s: list[float]) -> str:
-            return " ".join(f"{a / b:.4f}" for a, b in zip(s, r["logit"]))
+        def ratio(s: list[float], logit: list[float] = r["logit"]) -> str:
+            return " ".join(f"{a / b:.4f}" for a, b in zip(s, logit))
 
         lines.append(f"| {r['model']} | {r['method']} | {r['what']} | {r['max_abs']:.2e} | {r['max_ref']:.3g} | "
                      f"{'yes' if r['allclose'] else 'no'} | {r['token_max_abs']:.2e} | {ratio(r['sum_ours'])} | "

@@ -37,7 +37,7 @@ import pytest
 import gradkit as gk
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-import transformer_twins as tt  # noqa: E402  (benchmarks/ is no package)
+import transformer_twins as tt  # benchmarks/ is no package: its folder is on sys.path
 
 DATA = Path(__file__).parent / "data" / "lrp_lxt_tiny.npz"
 RTOL, ATOL, TOKEN_TOL = 1e-4, 1e-6, 1e-3
