@@ -329,6 +329,15 @@ def agreement(refs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                 continue
             rows.append({"model": kind, "method": method, "what": "gradkit vs LXT", "logit": logit,
                          **compare(ours, lxt["relevance"], axes)})
+            if kind == "gpt2":  # relevance at (token embeddings, position embeddings), as LXT reads both
+                split = twin(kind, params, split_positions=True)
+                pos = jnp.broadcast_to(jnp.asarray(params["transformer.wpe.weight"][: x.shape[1]]), x.shape)
+                r_tok, r_pos = jax.jit(lambda xs, t, comp=comp, fn=split: gk.attribution.lrp(fn, xs, comp, target=t))(
+                    (jnp.asarray(x), pos), jnp.asarray(target))
+                rows.append({"model": kind, "method": method, "what": "gradkit vs LXT, (tokens, positions): tokens",
+                             "logit": logit, **compare(np.asarray(r_tok), lxt["relevance"], axes)})
+                rows.append({"model": kind, "method": method, "what": "gradkit vs LXT, (tokens, positions): positions",
+                             "logit": logit, **compare(np.asarray(r_pos), lxt["relevance_positions"], axes)})
         grad_x = e["plain"]["relevance"]
         if "attnlrp" in METHODS[kind]:
             rows.append({"model": kind, "method": "attnlrp", "what": "control: PyTorch gradient × input vs LXT",
@@ -522,6 +531,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="write the stored reference for tests/test_lrp_vs_lxt.py and stop")
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     parser.add_argument("--perf", action="store_true", help="also time the 4-layer LLaMA")
+    parser.add_argument("--perf-only", action="store_true", help="only time the 4-layer LLaMA")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--perf-child", help=argparse.SUPPRESS)
@@ -532,6 +542,12 @@ def main(argv: list[str] | None = None) -> int:
         return child(args)
     if args.perf_child:
         return perf_torch_child(args)
+    if args.perf_only:
+        perf_result = perf(args.repeats)
+        print(markdown([], perf_result))
+        from common import write_json
+
+        return write_json(args.out, {"environment": environment(), "rows": [], "perf": perf_result})
     refs = reference(tuple(args.models))
     if args.write:
         write(args.write, refs)
