@@ -24,11 +24,12 @@ What it does:
    grouped-query heads (4 heads, 2 key/value heads), ``GPT2LMHeadModel``
    (2 layers, n_embd 64, 2 heads) and torchvision's ``VisionTransformer``
    (image 32, patch 8, 2 layers, hidden 64, 2 heads, MLP 128, 10 classes);
-   matrices ×10 and norm scales 1 + 0.1·N(0, 1), so that the relevances are
+   matrices ×10 (the ViT's ×3), biases (and the ViT's positions and class
+   token) 0.1·N(0, 1), norm scales 1 + 0.1·N(0, 1), so that the relevances are
    not trivial; every weight rounded to a grid of a power-of-two step, 15
    levels for matrices and 255 for vectors (exact float32 values that the
-   stored reference keeps as int8 and a scale, so it stays small). Inputs: token ids
-   ``[[1, 17, 42, 7, 99, 3, 55, 23], [5, 88, 13, 64, 2, 120, 31, 9]]`` (their
+   stored reference keeps as int8 and a scale, so it stays small).
+   Inputs: token ids ``[[1, 17, 42, 7, 99, 3, 55, 23], [5, 88, 13, 64, 2, 120, 31, 9]]`` (their
    input embeddings) and 2 random 3×32×32 images.
 2. Explains the largest logit at the last position of each sequence (the top
    class of each image) with LXT's efficient AttnLRP (``attnLRP`` maps) and
