@@ -45,7 +45,8 @@ class GSite:
     ``"normalizer"`` or ``"product"`` (``apply(a, b)``: the op on its two
     input-dependent operands). ``gates`` (products): per operand, whether it
     comes out of a softmax or an activation. ``normalizer``: which operand is
-    the statistic (a normalizer's ``σ``). ``name``: the op (or the ``jax.nn``
+    the statistic (a normalizer's ``σ``). ``fused``: the product is a fused
+    attention kernel ``softmax(q·kᵀ)·v`` (``apply(q, k, v, *rest)``). ``name``: the op (or the ``jax.nn``
     function) and ``source`` the user's line.
     """
 
@@ -56,6 +57,7 @@ class GSite:
     source: str | None = None
     gates: tuple[bool, ...] = ()
     normalizer: int = -1
+    fused: bool = False
 
 
 def _varying_outs(jaxpr: Any, flags: Sequence[bool]) -> list[bool]:
@@ -70,8 +72,9 @@ class _Runner:
         self.kinds: dict[str, int] = {}
 
     def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], varying: Sequence[bool],
-            gates: Sequence[bool]) -> tuple[list[Any], list[bool]]:
-        plan = GPlan(jaxpr, varying, gates)
+            gates: Sequence[bool], stats: Sequence[bool] = (), normalizing: Sequence[bool] = ()
+            ) -> tuple[list[Any], list[bool]]:
+        plan = GPlan(jaxpr, varying, gates, stats, normalizing)
         env: dict[Any, Any] = {}
         for v, c in zip(jaxpr.constvars, consts):
             env[v] = c
@@ -88,13 +91,15 @@ class _Runner:
             flags = [is_varying(a, plan.varying) for a in eqn.invars]
             prim = eqn.primitive.name
             in_gates = [not is_literal(a) and a in plan.gates for a in eqn.invars]
+            in_stats = [not is_literal(a) and a in plan.stat for a in eqn.invars]
             if any(flags) and (is_jit(eqn) or prim in _CALLS or prim in _REMAT):
                 inner, inner_consts = jaxpr_parts(eqn.params["jaxpr"])
                 with call_site(eqn):
+                    norm = [v in plan.stat and plan.feeds_statistic(v) for v in eqn.outvars]
                     if prim in _REMAT:
-                        outs = self._remat(eqn, inner, inner_consts, invals, flags, in_gates)
+                        outs = self._remat(eqn, inner, inner_consts, invals, flags, in_gates, in_stats)
                     else:
-                        outs, _ = self.run(inner, inner_consts, invals, flags, in_gates)
+                        outs, _ = self.run(inner, inner_consts, invals, flags, in_gates, in_stats, norm)
             elif any(flags[1:]) and prim == "cond":
                 with call_site(eqn):
                     outs = self._cond(eqn, invals, flags, in_gates)
@@ -108,9 +113,9 @@ class _Runner:
         return [read(a) for a in jaxpr.outvars], plan.out_gates
 
     def _remat(self, eqn: Any, inner: Any, inner_consts: Sequence[Any], invals: list[Any], flags: list[bool],
-               gates: list[bool]) -> list[Any]:
+               gates: list[bool], stats: list[bool]) -> list[Any]:
         def body(*ops: Any) -> list[Any]:
-            return self.run(inner, inner_consts, list(ops), flags, gates)[0]
+            return self.run(inner, inner_consts, list(ops), flags, gates, stats)[0]
 
         policy = eqn.params.get("policy")
         prevent_cse = eqn.params.get("prevent_cse", True)
@@ -166,10 +171,10 @@ class _Runner:
             self.count += 1
             return self.handle(g, [consts[x_var]])
 
-        def apply2(a: Any, b: Any) -> Any:
-            return bind(last, [a, b])[0]
+        def apply2(*ops: Any) -> Any:
+            return bind(last, list(ops))[0]
 
-        g = GSite(site.kind, site.name, self.count, apply2, source_line(last), site.gates, site.normalizer)
+        g = GSite(site.kind, site.name, self.count, apply2, source_line(last), site.gates, site.normalizer, site.fused)
         self.count += 1
         return self.handle(g, [read(a) for a in last.invars])
 

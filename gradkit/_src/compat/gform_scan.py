@@ -23,13 +23,14 @@ plan finds, in order of precedence:
 * **product**: a ``mul`` or ``dot_general`` of two varying floating operands
   (``q·kᵀ``, ``A·v``, ``act(g)·u``). Its operands that come out of a softmax
   or an activation (through layout ops and scalings by constants) are its
-  *gates*.
+  *gates*. A fused attention kernel (``jax.nn.dot_product_attention``'s
+  cuDNN ``custom_vjp``, opaque) is one product site of its q, k and v.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -59,6 +60,8 @@ _SPREAD = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "c
 _CARRY_GATE = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "broadcast_in_dim", "convert_element_type",
                          "copy", "copy_p", "slice", "dynamic_slice", "gather", "concatenate", "pad", "rev",
                          "reduce_precision", "optimization_barrier", "mul", "div", "select_n", "neg"})
+#: ``custom_vjp`` functions that are a fused ``softmax(q·kᵀ)·v`` with q, k, v first (cuDNN's, in jax.nn).
+FUSED_ATTENTION = frozenset({"_dot_product_attention"})
 _CALLS = frozenset({"closed_call", "core_call", "checkpoint", "remat", "remat2"})
 _PASS = frozenset({"convert_element_type", "copy", "copy_p", "reshape", "squeeze", "expand_dims", "transpose",
                    "reduce_precision"})
@@ -81,7 +84,7 @@ class Site:
     name: str = ""
     gates: tuple[bool, ...] = ()
     normalizer: int = -1
-    consts: list[Any] = field(default_factory=list)
+    fused: bool = False
 
 
 def _shape(atom: Any) -> tuple[int, ...]:
@@ -110,10 +113,37 @@ def stops_gradient(eqn: JaxprEqn) -> bool:
     return eqn.primitive.name == "stop_gradient"
 
 
+def _statistics(jaxpr: Any, varying: set[Any], stat_in: Sequence[bool]) -> set[Any]:
+    """Varying values computed from a reduction by element-wise ops and broadcasts only (also out of a ``jit``)."""
+    stat: set[Any] = {v for v, s in zip(jaxpr.invars, stat_in) if s}
+    for eqn in jaxpr.eqns:
+        prim = eqn.primitive.name
+        dyn = [a for a in eqn.invars if is_varying(a, varying)]
+        if not dyn or stops_gradient(eqn):
+            continue
+        if (is_jit(eqn) or prim in _CALLS) and len(eqn.outvars) >= 1:
+            inner, _ = jaxpr_parts(eqn.params["jaxpr"])
+            flags = [is_varying(a, varying) for a in eqn.invars]
+            inner_varying = {v for v, f in zip(inner.invars, flags) if f}
+            for e in inner.eqns:
+                if not stops_gradient(e) and any(is_varying(a, inner_varying) for a in e.invars):
+                    inner_varying.update(e.outvars)
+            inner_stat = _statistics(inner, inner_varying, [not is_literal(a) and a in stat for a in eqn.invars])
+            stat.update(v for v, a in zip(eqn.outvars, inner.outvars) if not is_literal(a) and a in inner_stat)
+        elif len(eqn.outvars) != 1:
+            continue
+        elif prim in _REDUCTIONS or prim in ("psum", "pmean"):
+            stat.add(eqn.outvars[0])
+        elif (prim in _ELEMENTWISE or prim in _SPREAD) and all(a in stat for a in dyn):
+            stat.add(eqn.outvars[0])
+    return stat
+
+
 class GPlan:
     """One jaxpr's gradient-form plan: its sites (by last equation), the equations deferred into them."""
 
-    def __init__(self, jaxpr: Any, varying_in: Sequence[bool], gates_in: Sequence[bool] = ()) -> None:
+    def __init__(self, jaxpr: Any, varying_in: Sequence[bool], gates_in: Sequence[bool] = (),
+                 stats_in: Sequence[bool] = (), normalizing_out: Sequence[bool] = ()) -> None:
         self.eqns = list(jaxpr.eqns)
         self.varying: set[Any] = {v for v, d in zip(jaxpr.invars, varying_in) if d}
         self.producer: dict[Any, int] = {}
@@ -127,10 +157,12 @@ class GPlan:
                 if not is_literal(a):
                     self.users.setdefault(a, []).append(i)
         self.outs = {a for a in jaxpr.outvars if not is_literal(a)}
+        # outputs the caller (this is a jit body) uses as a statistic that normalizes a value
+        self.normalizing = {a for a, n in zip(jaxpr.outvars, normalizing_out) if n and not is_literal(a)}
         self.sites: dict[int, Site] = {}
         self.deferred: set[int] = set()
         self.softmax: set[int] = set()  # the div (and exp) equations of softmaxes
-        self.stat = self._statistics()
+        self.stat = _statistics(jaxpr, self.varying, stats_in)
         taken = self._find_softmax()
         self._find_regions(taken)
         self.gates: set[Any] = {v for v, g in zip(jaxpr.invars, gates_in) if g}
@@ -159,20 +191,6 @@ class GPlan:
             j = self.producer.get(v)
         return v, j
 
-    def _statistics(self) -> set[Any]:
-        """Varying values computed from a reduction by element-wise ops and broadcasts only."""
-        stat: set[Any] = set()
-        for eqn in self.eqns:
-            if len(eqn.outvars) != 1 or not self._var(eqn.outvars[0]):
-                continue
-            prim = eqn.primitive.name
-            dyn = [a for a in eqn.invars if self._var(a)]
-            if prim in _REDUCTIONS or (prim in ("psum", "pmean")):
-                stat.add(eqn.outvars[0])
-            elif (prim in _ELEMENTWISE or prim in _SPREAD) and dyn and all(a in stat for a in dyn):
-                stat.add(eqn.outvars[0])
-        return stat
-
     def _find_softmax(self) -> set[int]:
         taken: set[int] = set()
         for i, eqn in enumerate(self.eqns):
@@ -184,18 +202,34 @@ class GPlan:
             den, k = self._back(eqn.invars[1], _PASS | {"broadcast_in_dim"})
             if k is None or self.eqns[k].primitive.name != "reduce_sum":
                 continue
-            src, _ = self._back(self.eqns[k].invars[0], _PASS)
+            src = self._unmask(self.eqns[k].invars[0])
             if src is num:
                 self.softmax.update((i, j))
                 taken.add(j)
         return taken
 
-    def _feeds_statistic(self, v: Any) -> bool:
+    def _unmask(self, v: Any) -> Any:
+        """``v`` followed back through layout ops and masks (a ``select_n``/``where`` or a product with one
+        varying operand): ``jax.nn.softmax(..., where=)`` sums the masked ``exp``."""
+        while True:
+            v, j = self._back(v, _PASS)
+            if j is None:
+                return v
+            e = self.eqns[j]
+            dyn = [a for a in e.invars if self._var(a)]
+            masking = e.primitive.name in ("select_n", "mul") or (is_jit(e) and eqn_name(e) == "fn:_where")
+            if not masking or len(dyn) != 1 or (e.primitive.name == "select_n" and e.invars[0] is dyn[0]):
+                return v
+            v = dyn[0]
+
+    def feeds_statistic(self, v: Any) -> bool:
         """``v`` is reduced to a statistic that then normalizes or shifts a varying value (``x²`` before the
         mean of an RMSNorm, the ``exp`` of a logsumexp)."""
         todo, seen = [v], set()
         while todo:
             w = todo.pop()
+            if w in self.normalizing:
+                return True
             for u in self.users.get(w, []):
                 e = self.eqns[u]
                 if u in seen:
@@ -207,6 +241,8 @@ class GPlan:
                     if any(self._var(a) and a not in self.stat for a in e.invars):
                         return True
                     todo.extend(e.outvars)
+                elif w in self.stat and (is_jit(e) or e.primitive.name in _CALLS):
+                    todo.extend(o for o in e.outvars if o in self.stat)
         return False
 
     # ------------------------------------------------------------------ activations
@@ -282,7 +318,7 @@ class GPlan:
                     continue
                 if not self._closed(eqns_, end) or not any(self._nonlinear_end(j) for j in eqns_):
                     break
-                if self._feeds_statistic(eqn.outvars[0]):
+                if self.feeds_statistic(eqn.outvars[0]):
                     break
                 name = next((n for j in eqns_ if (n := _activation_call(self.eqns[j]))), "") or \
                     self.eqns[end].primitive.name
@@ -321,6 +357,10 @@ class GPlan:
         if prim == "dot_general" and len(dyn) == 2:
             a, b = eqn.invars
             self.sites[i] = Site("product", [i], [a, b], name=prim, gates=(a in self.gates, b in self.gates))
+            return
+        if (is_custom_derivative(eqn) and eqn_name(eqn)[3:] in FUSED_ATTENTION and len(eqn.invars) >= 3
+                and all(self._var(a) and _is_float(a) for a in eqn.invars[:3])):
+            self.sites[i] = Site("product", [i], list(eqn.invars), name=eqn_name(eqn), gates=(False,) * 3, fused=True)
             return
         if (is_jit(eqn) or prim in _CALLS) and any(self._var(a) for a in eqn.invars):
             inner, _ = jaxpr_parts(eqn.params["jaxpr"])
