@@ -24,9 +24,11 @@ them too (elementwise rtol 1e-4 / atol 1e-6 in float32, per token 1e-3).
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import jax
@@ -36,8 +38,20 @@ import pytest
 
 import gradkit as gk
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-import transformer_twins as tt  # benchmarks/ is no package: its folder is on sys.path
+
+def _twins() -> ModuleType:
+    """``benchmarks/transformer_twins.py`` (benchmarks/ is no package), loaded from its file: putting its folder on
+    ``sys.path`` would let its ``common.py`` and ``run.py`` shadow other modules for the rest of the session."""
+    path = Path(__file__).parents[1] / "benchmarks" / "transformer_twins.py"
+    spec = importlib.util.spec_from_file_location("transformer_twins", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("transformer_twins", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+tt = _twins()
 
 DATA = Path(__file__).parent / "data" / "lrp_lxt_tiny.npz"
 RTOL, ATOL, TOKEN_TOL = 1e-4, 1e-6, 1e-3
