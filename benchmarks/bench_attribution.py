@@ -1,4 +1,4 @@
-"""gk.attribution's cost: Guided Backprop on a CNN against plain ``jax.grad`` of the same model.
+"""gk.attribution's cost: Guided Backprop on a CNN, AttnLRP on a LLaMA, against plain ``jax.grad`` of the same model.
 
     python benchmarks/bench_attribution.py [--quick]
 
@@ -7,6 +7,11 @@ A batch of 32 images, 32×32×3, through four 3×3 convolutions with
 image's target class, under ``jax.jit``. The rule replaces each ReLU's
 backward pass with a select of the same size, so the goal is parity
 (≤ 1.05); the issue's bound for any attribution method is 1.5.
+
+``ATTN_LRP`` explains the last position's top logit of a random LLaMA
+(``transformer_twins.llama``: 2 layers, hidden 128, 4 heads, MLP 344, a
+sequence of 128 input embeddings) against ``x * jax.grad`` of the same
+logit; issue 37's goal is ≤ 1.2 (its rules are element-wise rescalings).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import transformer_twins as tt
 from common import interleaved, row
 
 import gradkit as gk
@@ -55,7 +61,21 @@ def rows(quick: bool = False) -> list[dict[str, Any]]:
     plain = jax.jit(lambda v: jax.grad(lambda u: jnp.sum(model(u) * jax.nn.one_hot(target, 10)))(v))
     t = interleaved({"guided": lambda: guided(x), "plain": lambda: plain(x)}, 5 if quick else 31, 2 if quick else 5)
     n = x.shape[0]
-    return [row(f"guided_backprop, {n} images 32x32x3, 4-conv CNN", "jax.grad", t["guided"] / t["plain"], 1.05)]
+    return [row(f"guided_backprop, {n} images 32x32x3, 4-conv CNN", "jax.grad", t["guided"] / t["plain"], 1.05),
+            *attn_lrp_rows(quick)]
+
+
+def attn_lrp_rows(quick: bool = False) -> list[dict[str, Any]]:
+    seq = 32 if quick else 128
+    params = tt.random_llama(jax.random.key(1), 2, 128, 344, 256, 4)
+    llama = tt.llama(params, 4)
+    x = jnp.asarray(params["model.embed_tokens.weight"])[jnp.arange(seq)[None, :] % 256]
+    model = lambda v: llama(v)[:, -1, :]
+    target = jnp.argmax(model(x), -1)
+    lrp = jax.jit(lambda v: gk.attribution.lrp(model, v, gk.attribution.ATTN_LRP, target=target))
+    plain = jax.jit(lambda v: v * jax.grad(lambda u: jnp.sum(model(u) * jax.nn.one_hot(target, 256)))(v))
+    t = interleaved({"lrp": lambda: lrp(x), "plain": lambda: plain(x)}, 5 if quick else 21, 2 if quick else 3)
+    return [row(f"lrp ATTN_LRP, LLaMA 2x128, sequence {seq}", "jax.grad", t["lrp"] / t["plain"], 1.2)]
 
 
 if __name__ == "__main__":
