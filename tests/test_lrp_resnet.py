@@ -20,6 +20,8 @@
   rules' formulas.
 """
 
+import warnings
+
 import equinox as eqx
 import flax.linen as nn
 import jax
@@ -251,6 +253,26 @@ def test_residual_rule_is_settable():
     with pytest.raises(gk.GradkitError, match="modifies weights"):
         lrp(f, X, A.EPSILON_PLUS | {"sum": A.zplus()})
 
+
+
+def test_bfloat16_residual_adds_are_sums():
+    # bfloat16 is floating point (NumPy's issubdtype says it is not): its residual add is a "sum", not an op
+    # without a rule that would copy relevance to both branches
+    k1, k2, k3 = jax.random.split(jax.random.key(3), 3)
+    w1, w2 = jax.random.normal(k1, (6, 6)), jax.random.normal(k2, (6, 3))
+    x = jax.random.normal(k3, (4, 6))
+
+    def model(dtype):
+        a, b = w1.astype(dtype), w2.astype(dtype)
+        return lambda v: (jax.nn.relu(v @ a) + v) @ b
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gk.GradkitWarning)
+        r16 = lrp(model(jnp.bfloat16), x.astype(jnp.bfloat16), ALL_EPSILON, strict=True)
+    r32 = lrp(model(jnp.float32), x, ALL_EPSILON)
+    assert r16.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(r16, np.float32).sum(-1), np.asarray(r32).sum(-1), atol=0.05)
+    np.testing.assert_allclose(np.asarray(r32).sum(-1), 1.0, atol=1e-3)  # conservative: no biases
 
 # --------------------------------------------------------------------------------------------------------------
 # Spellings of pooling; control flow.

@@ -33,10 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import jax.numpy as jnp
-
 from gradkit._src.compat.jaxprs import JaxprEqn, eqn_name, is_custom_derivative, is_jit, is_literal, jaxpr_parts
-from gradkit._src.compat.layer_scan import ACTIVATION_FUNCTIONS, is_varying
+from gradkit._src.compat.layer_scan import ACTIVATION_FUNCTIONS, is_float, is_varying
 
 __all__ = ["GPlan", "Site"]
 
@@ -96,10 +94,6 @@ def _fits(shape: tuple[int, ...], out: tuple[int, ...]) -> bool:
     """``shape`` broadcasts to ``out`` as an element-wise operand does (a scalar, or size-1 axes)."""
     return not shape or (len(shape) == len(out) and all(n in (1, m) for n, m in zip(shape, out)))
 
-
-def _is_float(atom: Any) -> bool:
-    dtype = getattr(atom.aval, "dtype", None)
-    return dtype is not None and bool(jnp.issubdtype(dtype, jnp.inexact))  # bfloat16 too (NumPy's is not)
 
 
 def _activation_call(eqn: JaxprEqn) -> str | None:
@@ -299,7 +293,7 @@ class GPlan:
             if end in taken or end in self.deferred or end in self.sites:
                 continue
             eqn = self.eqns[end]
-            if not eqn.outvars or not _is_float(eqn.outvars[0]) or not self._var(eqn.outvars[0]):
+            if not eqn.outvars or not is_float(eqn.outvars[0]) or not self._var(eqn.outvars[0]):
                 continue
             if not self._region_op(end, None) or not self._nonlinear_end(end):
                 continue
@@ -310,7 +304,7 @@ class GPlan:
             candidates = sorted({a for j in full for a in self.eqns[j].invars if self._var(a)},
                                 key=lambda a: self.producer.get(a, -1), reverse=True)
             for x in candidates:
-                if _shape(x) != _shape(eqn.outvars[0]) or not _is_float(x) or x in self.stat:
+                if _shape(x) != _shape(eqn.outvars[0]) or not is_float(x) or x in self.stat:
                     continue
                 sub = self._cone(end, x)
                 assert sub is not None
@@ -342,7 +336,7 @@ class GPlan:
 
     def _classify(self, i: int, eqn: JaxprEqn) -> None:
         prim = eqn.primitive.name
-        dyn = [k for k, a in enumerate(eqn.invars) if self._var(a) and _is_float(a)]
+        dyn = [k for k, a in enumerate(eqn.invars) if self._var(a) and is_float(a)]
         if prim in ("mul", "div") and len(eqn.invars) == 2 and len(dyn) == 2 and i not in self.softmax:
             a, b = eqn.invars
             out = _shape(eqn.outvars[0])
@@ -360,7 +354,7 @@ class GPlan:
             self.sites[i] = Site("product", [i], [a, b], name=prim, gates=(a in self.gates, b in self.gates))
             return
         if (is_custom_derivative(eqn) and eqn_name(eqn)[3:] in FUSED_ATTENTION and len(eqn.invars) >= 3
-                and all(self._var(a) and _is_float(a) for a in eqn.invars[:3])):
+                and all(self._var(a) and is_float(a) for a in eqn.invars[:3])):
             self.sites[i] = Site("product", [i], list(eqn.invars), name=eqn_name(eqn), gates=(False,) * 3, fused=True)
             return
         if (is_jit(eqn) or prim in _CALLS) and any(self._var(a) for a in eqn.invars):

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from gradkit._src.compat.jaxprs import JaxprEqn, eqn_name, is_literal
@@ -80,9 +81,10 @@ def _shape(atom: Any) -> tuple[int, ...]:
     return tuple(getattr(atom.aval, "shape", ()))
 
 
-def _is_float(atom: Any) -> bool:
+def is_float(atom: Any) -> bool:
+    """``atom`` holds floating-point values (bfloat16 too: NumPy's ``issubdtype`` does not say so)."""
     dtype = getattr(atom.aval, "dtype", None)
-    return dtype is not None and np.issubdtype(dtype, np.inexact)
+    return dtype is not None and bool(jnp.issubdtype(dtype, jnp.inexact))
 
 
 def map_axes(eqn: JaxprEqn, axes: Sequence[int]) -> list[int] | None:
@@ -168,7 +170,7 @@ class Plan:
                 self.batch_stats.append(i)  # a collective over the batch axis (Equinox's BatchNorm under vmap)
             elif prim in ("reduce_window_max", "reduce_max") and dyn == [0]:
                 self.units[i] = Unit("max_pool", i)
-            elif prim == "add" and len(dyn) == 2 and all(_is_float(a) for a in eqn.invars):
+            elif prim == "add" and len(dyn) == 2 and all(is_float(a) for a in eqn.invars):
                 self.sums.add(i)
             elif len(dyn) == 1 and len(eqn.outvars) == 1 and _is_activation(eqn, dyn[0]):
                 self.activations.add(i)

@@ -47,7 +47,15 @@ from gradkit._src.compat.jaxprs import (
     read_atom,
     scan_layout,
 )
-from gradkit._src.compat.layer_scan import ACTIVATION_FUNCTIONS, LAYOUT, Plan, Unit, is_varying, literal_scalar
+from gradkit._src.compat.layer_scan import (
+    ACTIVATION_FUNCTIONS,
+    LAYOUT,
+    Plan,
+    Unit,
+    is_float,
+    is_varying,
+    literal_scalar,
+)
 from gradkit._src.compat.source import call_site, source_line
 from gradkit._src.errors import GradkitError
 
@@ -115,10 +123,6 @@ def _varying_outs(jaxpr: Any, flags: Sequence[bool]) -> list[bool]:
             varying.update(eqn.outvars)
     return [is_varying(a, varying) for a in jaxpr.outvars]
 
-
-def _is_float(atom: Any) -> bool:
-    dtype = getattr(atom.aval, "dtype", None)
-    return dtype is not None and bool(np.issubdtype(dtype, np.inexact))
 
 
 class _Runner:
@@ -200,7 +204,7 @@ class _Runner:
                 with call_site(eqn):
                     outs = self._scan(eqn, invals, flags, nn)
             else:
-                if any(f and _is_float(a) for f, a in zip(flags, eqn.invars)):
+                if any(f and is_float(a) for f, a in zip(flags, eqn.invars)):
                     self._check_ruled(eqn)
                 outs = bind(eqn, invals)
             for v, o in zip(eqn.outvars, outs):
@@ -211,7 +215,7 @@ class _Runner:
 
     def _check_ruled(self, eqn: JaxprEqn) -> None:
         prim = eqn.primitive.name
-        if self.unruled is None or not any(_is_float(v) for v in eqn.outvars):
+        if self.unruled is None or not any(is_float(v) for v in eqn.outvars):
             return
         if prim in STRUCTURAL and not (prim == "pad" and literal_scalar(eqn.invars[1]) != 0.0):
             return
