@@ -16,12 +16,18 @@ Examples:
   [1.0, 0.0]
 """
 
+from gradkit._src.attribution.attn_lrp import hold_gate as hold_gate
+from gradkit._src.attribution.attn_lrp import identity as identity
+from gradkit._src.attribution.attn_lrp import stop_gradient as stop_gradient
+from gradkit._src.attribution.attn_lrp import uniform as uniform
 from gradkit._src.attribution.attribution import DECONVNET as DECONVNET
 from gradkit._src.attribution.attribution import GUIDED_BACKPROP as GUIDED_BACKPROP
 from gradkit._src.attribution.attribution import deconvnet as deconvnet
 from gradkit._src.attribution.attribution import gradient as gradient
 from gradkit._src.attribution.attribution import gradient_x_input as gradient_x_input
 from gradkit._src.attribution.attribution import guided_backprop as guided_backprop
+from gradkit._src.attribution.lrp import ATTN_LRP as ATTN_LRP
+from gradkit._src.attribution.lrp import CP_LRP as CP_LRP
 from gradkit._src.attribution.lrp import EPSILON_ALPHA2_BETA1 as EPSILON_ALPHA2_BETA1
 from gradkit._src.attribution.lrp import EPSILON_ALPHA2_BETA1_FLAT as EPSILON_ALPHA2_BETA1_FLAT
 from gradkit._src.attribution.lrp import EPSILON_GAMMA_BOX as EPSILON_GAMMA_BOX
@@ -48,6 +54,8 @@ from gradkit._src.attribution.perturbation import PerturbationCurve as Perturbat
 from gradkit._src.attribution.perturbation import perturbation_curve as perturbation_curve
 
 __all__ = [
+    "ATTN_LRP",
+    "CP_LRP",
     "Composite",
     "DECONVNET",
     "EPSILON_ALPHA2_BETA1",
@@ -71,10 +79,14 @@ __all__ = [
     "gradient_rule",
     "gradient_x_input",
     "guided_backprop",
+    "hold_gate",
+    "identity",
     "lrp",
     "norm",
     "pass_through",
     "perturbation_curve",
+    "stop_gradient",
+    "uniform",
     "w_square",
     "zbox",
     "zplus",

@@ -18,6 +18,11 @@ stabilizers absorb), and an op that keeps its gradient must not copy
 relevance (a residual add would hand all of it to both branches: hence the
 ``"sum"`` kind). Structural ops (reshapes, the flatten, slices) keep their
 gradient, as in Zennit.
+
+The ``"gradient"`` form (:data:`ATTN_LRP`, :data:`CP_LRP`; ``attn_lrp.py``)
+carries a modified gradient instead, and relevance is the input times it:
+every op keeps its gradient except the sites that form's kinds name
+(``"activation"``, ``"product"``, ``"normalizer"``).
 """
 
 from __future__ import annotations
@@ -31,19 +36,21 @@ import jax
 import jax.numpy as jnp
 
 from gradkit._src import compat
+from gradkit._src.attribution import attn_lrp
 from gradkit._src.attribution import lrp_rules as rules
 from gradkit._src.attribution.attribution import _cotangent
 from gradkit._src.attribution.lrp_rules import LrpRule
 from gradkit._src.checks.describe import short_path
 from gradkit._src.errors import GradkitError, GradkitWarning
 
-__all__ = ["EPSILON_ALPHA2_BETA1", "EPSILON_ALPHA2_BETA1_FLAT", "EPSILON_GAMMA_BOX", "EPSILON_PLUS",
-           "EPSILON_PLUS_FLAT", "FORMS", "KINDS", "STRUCTURAL_OPS", "Composite", "LrpReport", "lrp"]
+__all__ = ["ATTN_LRP", "CP_LRP", "EPSILON_ALPHA2_BETA1", "EPSILON_ALPHA2_BETA1_FLAT", "EPSILON_GAMMA_BOX",
+           "EPSILON_PLUS", "EPSILON_PLUS_FLAT", "FORMS", "KINDS", "STRUCTURAL_OPS", "Composite", "LrpReport", "lrp"]
 
 #: the keys a composite may have.
-KINDS: tuple[str, ...] = (*compat.LAYER_KINDS, "first", "first_conv")
-#: the relevance forms a composite may have (``"relevance"``: the cotangent is the relevance, as in Zennit).
-FORMS: tuple[str, ...] = ("relevance",)
+KINDS: tuple[str, ...] = (*compat.LAYER_KINDS, "first", "first_conv", "product", "normalizer", "softmax")
+#: the relevance forms a composite may have (``"relevance"``: the cotangent is the relevance, as in Zennit;
+#: ``"gradient"``: the cotangent is a modified gradient and relevance is the input times it, as in LXT).
+FORMS: tuple[str, ...] = ("relevance", "gradient")
 #: the ops that move, copy or select values: on the relevance path they keep their gradient, and need no rule.
 STRUCTURAL_OPS: frozenset[str] = compat.STRUCTURAL
 
@@ -54,7 +61,9 @@ class Composite(Mapping[str, LrpRule]):
     ``form`` is how relevance travels backward under this composite (one of
     :data:`FORMS`): ``"relevance"`` (Zennit's composites) carries the
     relevance itself as the cotangent, so the one-hot seed of ``target`` gives
-    ``ΣR ≈ 1``. A merge keeps the left side's form.
+    ``ΣR ≈ 1``; ``"gradient"`` (:data:`ATTN_LRP`, :data:`CP_LRP`) carries a
+    modified gradient, relevance is the input times it, so ``ΣR ≈`` the
+    target logit. A merge keeps the left side's form.
 
     Examples:
       >>> import gradkit as gk
@@ -79,6 +88,7 @@ class Composite(Mapping[str, LrpRule]):
             if not isinstance(rule, LrpRule):
                 raise GradkitError(f"attribution.Composite: the rule for {kind!r} must be an LRP rule such as "
                                    f"gk.attribution.epsilon(1e-6), got {type(rule).__name__} {rule!r}.")
+            _check_fits(kind, rule, form)
         self._rules: dict[str, LrpRule] = merged
 
     def __getitem__(self, kind: str) -> LrpRule:
@@ -109,6 +119,27 @@ class Composite(Mapping[str, LrpRule]):
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, Mapping) and dict(self.items()) == dict(other.items())
                 and getattr(other, "form", self.form) == self.form)
+
+
+_GRADIENT_SUGGESTED = {"activation": "identity() or gradient_rule()", "product": "uniform(), hold_gate() or "
+                       "gradient_rule()", "normalizer": "stop_gradient() or gradient_rule()"}
+
+
+def _check_fits(kind: str, rule: LrpRule, form: str) -> None:
+    if form not in rule.forms:
+        other = "gradient" if form == "relevance" else "relevance"
+        fix = (f"in that form the {kind!r} kind takes "
+               f"{_GRADIENT_SUGGESTED.get(kind, 'gradient_rule()')}" if form == "gradient"
+               else f"use it in a composite of form {other!r} such as gk.attribution.ATTN_LRP")
+        raise GradkitError(f"attribution.Composite: the {rule!r} rule for {kind!r} does not fit the {form!r} "
+                           f"form of this composite (it works in the {other!r} form); {fix}.")
+    if form == "gradient" and rule.kinds and kind not in rule.kinds:
+        raise GradkitError(f"attribution.Composite: the {rule!r} rule is for {' and '.join(map(repr, rule.kinds))} "
+                           f"sites, not {kind!r}; in the gradient form {kind!r} takes "
+                           f"{_GRADIENT_SUGGESTED.get(kind, 'gradient_rule()')}.")
+    if form == "gradient" and kind not in attn_lrp.GRADIENT_KINDS and not rule.plain:
+        raise GradkitError(f"attribution.Composite: the gradient form has no {kind!r} sites; its kinds are "
+                           f"{', '.join(map(repr, attn_lrp.GRADIENT_KINDS))}.")
 
 
 def _base(stabilizer: float) -> dict[str, LrpRule]:
@@ -142,6 +173,17 @@ def EPSILON_GAMMA_BOX(low: Any, high: Any, *, epsilon: float = 1e-6, gamma: floa
     return Composite(_base(stabilizer) | {"conv": rules.gamma(gamma, stabilizer), "dense": rules.epsilon(epsilon),
                                           "first_conv": rules.zbox(low, high, stabilizer)})
 
+
+_ATTN = {"activation": attn_lrp.identity(1e-10), "normalizer": attn_lrp.stop_gradient(),
+         "softmax": rules.gradient_rule(), "dense": rules.gradient_rule(), "sum": rules.gradient_rule()}
+#: AttnLRP (Achtibat et al. 2024) as LXT 2.1's efficient mode, in the ``"gradient"`` form: linear layers, residual
+#: sums, softmax, masks and RoPE keep their gradient (ε = 0), a product of two input-dependent values is
+#: :func:`~gradkit.attribution.uniform`, an activation :func:`~gradkit.attribution.identity` (ε = 1e-10), and the
+#: statistic of a LayerNorm/RMSNorm constant (:func:`~gradkit.attribution.stop_gradient`).
+ATTN_LRP: Composite = Composite(_ATTN | {"product": attn_lrp.uniform()}, form="gradient")
+#: CP-LRP (Ali et al. 2022) as LXT 2.1's ``cp_LRP`` maps: :data:`ATTN_LRP` with the attention weights and a gated
+#: MLP's activated gate constant (:func:`~gradkit.attribution.hold_gate`): relevance flows through ``v`` and ``up``.
+CP_LRP: Composite = Composite(_ATTN | {"product": attn_lrp.hold_gate()}, form="gradient")
 
 _SUGGESTED = {"dense": "epsilon(1e-6)", "conv": "zplus()", "avg_pool": "norm()", "activation": "pass_through()",
               "max_pool": "gradient_rule()", "sum": "norm()"}
@@ -327,6 +369,15 @@ def lrp(fn: Callable[[jax.Array], jax.Array], x: Any, composite: Mapping[str, Lr
         raise GradkitError(f"attribution.lrp: composite must map layer kinds to rules (e.g. "
                            f"gk.attribution.EPSILON_PLUS), got {type(composite).__name__}.")
     composite = composite if isinstance(composite, Composite) else Composite(composite)
+    if composite.form == "gradient":
+        r, out, cot = attn_lrp.run_gradient_form(fn, x, composite, target, _nan_outside)
+        if not check:
+            return r
+        leaf = jax.tree_util.tree_leaves(x)[0]
+        batched = out.ndim >= 2 and jnp.ndim(leaf) >= 1 and jnp.shape(leaf)[0] == out.shape[0]
+        parts = [_per_example(a, batched) for a in jax.tree_util.tree_leaves(r)]
+        total = parts[0] + sum(parts[1:], jnp.zeros_like(parts[0]))
+        return r, LrpReport(total, _per_example(cot, batched), _per_example(cot * out, batched))
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.inexact):
         raise GradkitError(f"attribution.lrp: x must be floating point to be differentiated, got {x.dtype}.")

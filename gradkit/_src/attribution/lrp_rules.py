@@ -33,7 +33,11 @@ class LrpRule:
 
     ``needs_weight``: the rule modifies a weight, so it applies only to dense
     and conv layers. ``same_shape``: the rule passes ``R`` on as it is, so it
-    applies only to layers whose input and output have one shape.
+    applies only to layers whose input and output have one shape. ``forms``:
+    the relevance forms (``Composite.form``) the rule works in; a rule of the
+    ``"gradient"`` form computes a site's output with its modified derivative
+    by ``site_rule(site, operands)``, and ``kinds`` names the kinds it fits
+    there (empty: any).
     """
 
     name: str
@@ -42,6 +46,9 @@ class LrpRule:
     needs_weight: bool = False
     same_shape: bool = False
     plain: bool = False  # the layer keeps JAX's own derivative
+    forms: tuple[str, ...] = ("relevance",)
+    kinds: tuple[str, ...] = ()
+    site_rule: Callable[[Any, list[Any]], Any] | None = field(default=None, repr=False, compare=False)
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params)
@@ -337,6 +344,9 @@ def pass_through() -> LrpRule:
 def gradient_rule() -> LrpRule:
     """The layer keeps its plain gradient (what Zennit does for a layer no rule matches, e.g. max pooling).
 
+    In the ``"gradient"`` form (``ATTN_LRP``) it fits every kind: the op
+    keeps JAX's own derivative there (LRP-0 for a linear layer).
+
     Examples:
       >>> import gradkit as gk
       >>> gk.attribution.gradient_rule()
@@ -346,4 +356,5 @@ def gradient_rule() -> LrpRule:
         _, pb = jax.vjp(lambda v: layer.apply(v, *layer.params), x)
         return pb(r)[0]
 
-    return LrpRule("gradient", rel, plain=True)
+    return LrpRule("gradient", rel, plain=True, forms=("relevance", "gradient"),
+                   site_rule=lambda site, operands: site.apply(*operands))

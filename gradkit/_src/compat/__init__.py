@@ -30,6 +30,10 @@ gradkit imports ``gradkit._src.compat`` and nothing from ``jax._src``.
   found by dataflow in its traced program (the static plan:
   :mod:`~gradkit._src.compat.layer_scan`), and that program run with each
   layer computed by a callback (LRP's rules).
+* :mod:`~gradkit._src.compat.gform` — the same program run for LRP's
+  gradient form (AttnLRP): activations, normalizers and products of two
+  input-dependent values found by dataflow (the plan:
+  :mod:`~gradkit._src.compat.gform_scan`), each computed by a callback.
 * :mod:`~gradkit._src.compat.callbacks` — the logger JAX reports a failing
   host callback on (``gk.guard``'s raise mode keeps its own exception off it),
   and the error types JAX raises in place of a callback's exception.
@@ -42,6 +46,7 @@ from gradkit._src.compat.callbacks import (
     kept_callback,
     kept_callback_p,
 )
+from gradkit._src.compat.gform import GSite, run_gradient_form
 from gradkit._src.compat.jaxprs import (
     CONCRETIZATION_ERRORS,
     CUSTOM_VJP_PRIMITIVES,
@@ -140,6 +145,8 @@ __all__ = [
     "primitive_by_name", "read_atom", "register_cache", "replace_eqns", "rule_registries_snapshot",
     "rule_target", "rule_wrapper_name", "scan_layout", "single_equation", "staged", "struct_like", "struct_of", "trace",
     "trace_avals", "trace_context", "trace_jit", "type_key", "while_layout",
+    # gradient form
+    "GSite", "run_gradient_form",
     # layers
     "ACTIVATION_FUNCTIONS", "LAYER_KINDS", "STRUCTURAL", "Layer", "run_layers",
     # primitive

@@ -1,0 +1,193 @@
+"""A model's program run for LRP's gradient form: each rule site (see ``gform_scan.py``) computed by a callback.
+
+The gradient form carries a *modified gradient* backward (relevance is the
+input times it, at the end), so every op keeps JAX's own derivative except at
+the sites :class:`~gradkit._src.compat.gform_scan.GPlan` finds (activations,
+normalizers, products of two input-dependent values), which the callback
+computes with any derivative it likes. ``jit``, ``checkpoint``/``remat``,
+``cond``/``switch`` and ``scan`` bodies are entered; ``custom_jvp`` and
+``custom_vjp`` functions (other than ``jax.nn`` activations) keep their own
+derivative, their insides unseen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+
+from gradkit._src.compat.gform_scan import GPlan, Site
+from gradkit._src.compat.jaxprs import (
+    bind,
+    cond_layout,
+    is_jit,
+    is_literal,
+    jaxpr_parts,
+    read_atom,
+    scan_layout,
+)
+from gradkit._src.compat.layer_scan import is_varying
+from gradkit._src.compat.source import call_site, source_line
+
+__all__ = ["GSite", "run_gradient_form"]
+
+_CALLS = frozenset({"closed_call", "core_call"})
+_REMAT = frozenset({"checkpoint", "remat", "remat2"})
+
+
+@dataclass(frozen=True, eq=False)
+class GSite:
+    """One rule site of the running program, as :func:`run_gradient_form` hands it to its callback.
+
+    ``kind``: ``"activation"`` (``apply(x)``: the element-wise region),
+    ``"normalizer"`` or ``"product"`` (``apply(a, b)``: the op on its two
+    input-dependent operands). ``gates`` (products): per operand, whether it
+    comes out of a softmax or an activation. ``normalizer``: which operand is
+    the statistic (a normalizer's ``σ``). ``name``: the op (or the ``jax.nn``
+    function) and ``source`` the user's line.
+    """
+
+    kind: str
+    name: str
+    index: int
+    apply: Callable[..., Any] = field(repr=False)
+    source: str | None = None
+    gates: tuple[bool, ...] = ()
+    normalizer: int = -1
+
+
+def _varying_outs(jaxpr: Any, flags: Sequence[bool]) -> list[bool]:
+    plan = GPlan(jaxpr, flags)
+    return [is_varying(a, plan.varying) for a in jaxpr.outvars]
+
+
+class _Runner:
+    def __init__(self, handle: Callable[[GSite, list[Any]], Any]) -> None:
+        self.handle = handle
+        self.count = 0
+        self.kinds: dict[str, int] = {}
+
+    def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], varying: Sequence[bool],
+            gates: Sequence[bool]) -> tuple[list[Any], list[bool]]:
+        plan = GPlan(jaxpr, varying, gates)
+        env: dict[Any, Any] = {}
+        for v, c in zip(jaxpr.constvars, consts):
+            env[v] = c
+        for v, a in zip(jaxpr.invars, args):
+            env[v] = a
+        read = lambda a: read_atom(env, a)
+        for i, eqn in enumerate(plan.eqns):
+            if i in plan.deferred:
+                continue
+            if i in plan.sites:
+                env[eqn.outvars[0]] = self._site(plan, plan.sites[i], read)
+                continue
+            invals = [read(a) for a in eqn.invars]
+            flags = [is_varying(a, plan.varying) for a in eqn.invars]
+            prim = eqn.primitive.name
+            in_gates = [not is_literal(a) and a in plan.gates for a in eqn.invars]
+            if any(flags) and (is_jit(eqn) or prim in _CALLS or prim in _REMAT):
+                inner, inner_consts = jaxpr_parts(eqn.params["jaxpr"])
+                with call_site(eqn):
+                    if prim in _REMAT:
+                        outs = self._remat(eqn, inner, inner_consts, invals, flags, in_gates)
+                    else:
+                        outs, _ = self.run(inner, inner_consts, invals, flags, in_gates)
+            elif any(flags[1:]) and prim == "cond":
+                with call_site(eqn):
+                    outs = self._cond(eqn, invals, flags, in_gates)
+            elif any(flags) and prim == "scan":
+                with call_site(eqn):
+                    outs = self._scan(eqn, invals, flags, in_gates)
+            else:
+                outs = bind(eqn, invals)
+            for v, o in zip(eqn.outvars, outs):
+                env[v] = o
+        return [read(a) for a in jaxpr.outvars], plan.out_gates
+
+    def _remat(self, eqn: Any, inner: Any, inner_consts: Sequence[Any], invals: list[Any], flags: list[bool],
+               gates: list[bool]) -> list[Any]:
+        def body(*ops: Any) -> list[Any]:
+            return self.run(inner, inner_consts, list(ops), flags, gates)[0]
+
+        policy = eqn.params.get("policy")
+        prevent_cse = eqn.params.get("prevent_cse", True)
+        return list(jax.checkpoint(body, policy=policy, prevent_cse=prevent_cse)(*invals))
+
+    def _cond(self, eqn: Any, invals: list[Any], flags: list[bool], gates: list[bool]) -> list[Any]:
+        def branch(closed: Any) -> Callable[..., list[Any]]:
+            jx, cs = jaxpr_parts(closed)
+            return lambda *ops: self.run(jx, cs, list(ops), flags[1:], gates[1:])[0]
+
+        return list(jax.lax.switch(invals[0], [branch(b) for b in cond_layout(eqn).branches], *invals[1:]))
+
+    def _scan(self, eqn: Any, invals: list[Any], flags: list[bool], gates: list[bool]) -> list[Any]:
+        lay = scan_layout(eqn)
+        jx, cs = jaxpr_parts(lay.body)
+        nc, nk = lay.num_consts, lay.num_carry
+        carry_flags = list(flags[nc:nc + nk])
+        for _ in range(nk + 1):  # a carry that depends on the input in one iteration does in the next
+            body_flags = [*flags[:nc], *carry_flags, *flags[nc + nk:]]
+            new = [a or b for a, b in zip(carry_flags, _varying_outs(jx, body_flags)[:nk])]
+            if new == carry_flags:
+                break
+            carry_flags = new
+        body_flags = [*flags[:nc], *carry_flags, *flags[nc + nk:]]
+        body_gates = [*gates[:nc], *([False] * nk), *gates[nc + nk:]]
+        consts = invals[:nc]
+
+        def body(carry: list[Any], xs: list[Any]) -> tuple[list[Any], list[Any]]:
+            outs, _ = self.run(jx, cs, [*consts, *carry, *xs], body_flags, body_gates)
+            return outs[:nk], outs[nk:]
+
+        carry, ys = jax.lax.scan(body, list(invals[nc:nc + nk]), list(invals[nc + nk:]), length=lay.length,
+                                 reverse=lay.reverse, unroll=eqn.params.get("unroll", 1))
+        return [*carry, *ys]
+
+    def _site(self, plan: GPlan, site: Site, read: Callable[[Any], Any]) -> Any:
+        eqns = [plan.eqns[j] for j in site.eqns]
+        last = plan.eqns[site.eqns[-1]]
+        self.kinds[site.kind] = self.kinds.get(site.kind, 0) + 1
+        if site.kind == "activation":
+            (x_var,) = site.inputs
+            defined = {v for e in eqns for v in e.outvars}
+            consts = {a: read(a) for e in eqns for a in e.invars if not is_literal(a) and a not in defined}
+
+            def apply(xv: Any) -> Any:
+                local = dict(consts)
+                local[x_var] = xv
+                for e in eqns:
+                    local.update(zip(e.outvars, bind(e, [read_atom(local, a) for a in e.invars])))
+                return local[last.outvars[0]]
+
+            g = GSite("activation", site.name, self.count, apply, source_line(eqns[0]))
+            self.count += 1
+            return self.handle(g, [consts[x_var]])
+
+        def apply2(a: Any, b: Any) -> Any:
+            return bind(last, [a, b])[0]
+
+        g = GSite(site.kind, site.name, self.count, apply2, source_line(last), site.gates, site.normalizer)
+        self.count += 1
+        return self.handle(g, [read(a) for a in last.invars])
+
+
+def run_gradient_form(fn: Callable[[Any], Any], x: Any, handle: Callable[[GSite, list[Any]], Any]
+                      ) -> tuple[list[Any], Any, dict[str, int]]:
+    """Runs ``fn(x)`` (``x`` a pytree of arrays) with each gradient-form rule site computed by ``handle``.
+
+    ``handle(site, operands)`` must return what ``site.apply(*operands)``
+    returns, with the derivative its rule wants. ``fn`` is traced once at
+    ``x``'s type; its program is then evaluated in the current trace (under
+    ``jit``, ``vmap``, ``vjp``). Returns ``(outputs as a flat list, output
+    tree structure, how many sites of each kind ran in the traced program)``.
+    """
+    leaves, tree = jax.tree_util.tree_flatten(x)
+    closed, shape = jax.make_jaxpr(lambda *ls: fn(jax.tree_util.tree_unflatten(tree, list(ls))),
+                                   return_shape=True)(*leaves)
+    jaxpr, consts = jaxpr_parts(closed)
+    runner = _Runner(handle)
+    outs, _ = runner.run(jaxpr, consts, leaves, [True] * len(leaves), [False] * len(leaves))
+    return outs, jax.tree_util.tree_structure(shape), dict(runner.kinds)
