@@ -187,7 +187,7 @@ def perturbation_curve(fn: Callable[[jax.Array], jax.Array], x: ArrayLike, relev
       >>> w = jnp.array([[4.0], [2.0], [1.0], [1.0]])
       >>> f = lambda x: x @ w
       >>> x = jnp.ones((1, 4))
-      >>> c = gk.attribution.perturbation_curve(f, x, x * w[:, 0], steps=4)
+      >>> c = gk.attribution.perturbation_curve(f, x, x * w.T, steps=4)  # gradient × input
       >>> c.fractions.tolist()
       [0.0, 0.25, 0.5, 0.75, 1.0]
       >>> c.most_relevant_first.tolist(), c.least_relevant_first.tolist()
