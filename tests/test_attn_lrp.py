@@ -1,23 +1,19 @@
 """AttnLRP and CP-LRP (the gradient form of gk.attribution.lrp) against hand-written LXT-efficient references.
 
-The models are plain JAX, written once with *hooks* at the places LXT 2.1's efficient mode patches. Run with
-``PLAIN`` hooks they are the unmodified model that ``lrp(..., ATTN_LRP)`` must explain by dataflow; run with
-``ATTN`` or ``CP`` hooks they are the reference, which reproduces LXT by hand: ``custom_vjp`` dividing the
-gradient by 4, 4 and 2 at q, k and v (after RoPE, before the grouped-query repeat), the identity ratio
-``f(x)/(x + 1e-10)`` at the activation, the gated product's gradient halved, ``stop_gradient`` on the norm's
-``rsqrt``/σ (CP: q and k, and the gate, held constant). Relevance of the reference is ``x ⊙ grad``.
+The models (``attn_models.py``) are plain JAX, written once with hooks at the places LXT 2.1's efficient mode
+patches: with ``PLAIN`` hooks they are the unmodified model ``lrp`` explains by dataflow, with ``ATTN``/``CP``
+hooks the hand-written LXT reference.
 """
 
 from __future__ import annotations
 
-import math
-from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attn_models import ATTN, CP, PLAIN, Cfg, Hooks, init, inputs, model, reference
 
 import gradkit as gk
 
@@ -32,182 +28,8 @@ def _broadcasting() -> Any:
         yield
 
 
-# --------------------------------------------------------------------------- reference helpers (LXT by hand)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(1,))
-def divide_gradient(x: jax.Array, factor: float) -> jax.Array:
-    return x
-
-
-divide_gradient.defvjp(lambda x, f: (x, None), lambda f, _, g: (g / f,))
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def identity_rule(fn: Any, x: jax.Array) -> jax.Array:
-    return fn(x)
-
-
-def _id_fwd(fn: Any, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    y = fn(x)
-    return y, y / (x + jnp.asarray(1e-10, x.dtype))
-
-
-identity_rule.defvjp(_id_fwd, lambda fn, ratio, g: (g * ratio,))
-
-
-class Hooks(NamedTuple):
-    qkv: Any  # (q, k, v) -> (q, k, v)
-    act: Any  # (fn, x) -> fn(x)
-    gate: Any  # (act_out, up) -> product
-    norm: Any  # statistic -> statistic
-
-
-PLAIN = Hooks(lambda q, k, v: (q, k, v), lambda fn, x: fn(x), lambda a, u: a * u, lambda s: s)
-ATTN = Hooks(lambda q, k, v: (divide_gradient(q, 4.0), divide_gradient(k, 4.0), divide_gradient(v, 2.0)),
-             identity_rule, lambda a, u: divide_gradient(a * u, 2.0), jax.lax.stop_gradient)
-CP = Hooks(lambda q, k, v: (jax.lax.stop_gradient(q), jax.lax.stop_gradient(k), v),
-           identity_rule, lambda a, u: jax.lax.stop_gradient(a) * u, jax.lax.stop_gradient)
-
-
-# --------------------------------------------------------------------------- the models
-
-
-class Cfg(NamedTuple):
-    d: int = 16
-    heads: int = 4
-    kv_heads: int = 2
-    ffn: int = 24
-    vocab: int = 11
-    layers: int = 2
-    attention: str = "einsum"  # einsum | matmul | inline | dpa
-    mask: str = "where"  # where | add | finfo
-    style: str = "llama"  # llama | gpt2
-    stack: str = "loop"  # loop | scan | remat
-    bias: bool = False
-
-
-def init(cfg: Cfg, seed: int, dtype: Any = jnp.float32) -> dict[str, Any]:
-    keys = iter(jax.random.split(jax.random.key(seed), 64))
-    hd = cfg.d // cfg.heads
-
-    def w(*shape: int, scale: float = 1.0) -> jax.Array:
-        return (jax.random.normal(next(keys), shape, dtype) * scale / math.sqrt(shape[0])).astype(dtype)
-
-    def b(n: int) -> jax.Array:
-        return (0.1 * jax.random.normal(next(keys), (n,), dtype)) if cfg.bias else jnp.zeros((n,), dtype)
-
-    def layer() -> dict[str, Any]:
-        return {"n1": 1.0 + 0.1 * jax.random.normal(next(keys), (cfg.d,), dtype), "n1b": b(cfg.d),
-                "wq": w(cfg.d, cfg.heads * hd), "bq": b(cfg.heads * hd),
-                "wk": w(cfg.d, cfg.kv_heads * hd), "bk": b(cfg.kv_heads * hd),
-                "wv": w(cfg.d, cfg.kv_heads * hd), "bv": b(cfg.kv_heads * hd),
-                "wo": w(cfg.heads * hd, cfg.d), "bo": b(cfg.d),
-                "n2": 1.0 + 0.1 * jax.random.normal(next(keys), (cfg.d,), dtype), "n2b": b(cfg.d),
-                "wg": w(cfg.d, cfg.ffn), "wu": w(cfg.d, cfg.ffn), "bu": b(cfg.ffn), "wd": w(cfg.ffn, cfg.d),
-                "bd": b(cfg.d)}
-
-    layers = [layer() for _ in range(cfg.layers)]
-    return {"layers": layers, "nf": jnp.ones((cfg.d,), dtype), "nfb": b(cfg.d), "head": w(cfg.d, cfg.vocab)}
-
-
-def rms_norm(x: jax.Array, w: jax.Array, hooks: Hooks) -> jax.Array:
-    h = x.astype(jnp.float32)
-    r = jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6)
-    return w * (h * hooks.norm(r)).astype(x.dtype)
-
-
-def layer_norm(x: jax.Array, w: jax.Array, b: jax.Array, hooks: Hooks) -> jax.Array:
-    mu = jnp.mean(x, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(x - mu), axis=-1, keepdims=True)
-    return (x - mu) / hooks.norm(jnp.sqrt(var + 1e-5)) * w + b
-
-
-def rope(x: jax.Array) -> jax.Array:  # x: [T, H, hd]
-    t, _, hd = x.shape
-    freq = 1.0 / (10000.0 ** (np.arange(0, hd, 2) / hd))
-    ang = np.arange(t)[:, None] * freq[None, :]
-    cos = jnp.asarray(np.concatenate([np.cos(ang)] * 2, -1)[:, None, :], x.dtype)
-    sin = jnp.asarray(np.concatenate([np.sin(ang)] * 2, -1)[:, None, :], x.dtype)
-    x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
-    return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
-
-
-def _softmax_inline(s: jax.Array) -> jax.Array:
-    e = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
-    return e / jnp.sum(e, axis=-1, keepdims=True)
-
-
-def attention(cfg: Cfg, p: dict[str, Any], x: jax.Array, hooks: Hooks) -> jax.Array:
-    t = x.shape[0]
-    hd = cfg.d // cfg.heads
-    q = (x @ p["wq"] + p["bq"]).reshape(t, cfg.heads, hd)
-    k = (x @ p["wk"] + p["bk"]).reshape(t, cfg.kv_heads, hd)
-    v = (x @ p["wv"] + p["bv"]).reshape(t, cfg.kv_heads, hd)
-    if cfg.style == "llama":
-        q, k = rope(q), rope(k)
-    q, k, v = hooks.qkv(q, k, v)
-    if cfg.attention == "dpa":
-        o = jax.nn.dot_product_attention(q[None], k[None], v[None], is_causal=True, implementation="xla")[0]
-        return o.reshape(t, cfg.d) @ p["wo"] + p["bo"]
-    rep = cfg.heads // cfg.kv_heads
-    k, v = jnp.repeat(k, rep, axis=1), jnp.repeat(v, rep, axis=1)
-    scale = jnp.asarray(1.0 / math.sqrt(hd), x.dtype)
-    if cfg.attention == "matmul":
-        s = (q.transpose(1, 0, 2) @ k.transpose(1, 2, 0)) * scale
-    else:
-        s = jnp.einsum("thd,shd->hts", q, k) * scale
-    causal = jnp.tril(jnp.ones((t, t), bool))[None]
-    if cfg.mask == "where":
-        s = jnp.where(causal, s, jnp.finfo(s.dtype).min)
-    elif cfg.mask == "add":
-        s = s + jnp.where(causal, 0.0, -1e9).astype(s.dtype)
-    else:
-        s = s + jnp.where(causal, 0.0, jnp.finfo(s.dtype).min).astype(s.dtype)
-    a = _softmax_inline(s) if cfg.attention == "inline" else jax.nn.softmax(s, axis=-1)
-    if cfg.attention == "matmul":
-        o = (a @ v.transpose(1, 0, 2)).transpose(1, 0, 2)
-    else:
-        o = jnp.einsum("hts,shd->thd", a, v)
-    return o.reshape(t, cfg.d) @ p["wo"] + p["bo"]
-
-
-def block(cfg: Cfg, p: dict[str, Any], h: jax.Array, hooks: Hooks) -> jax.Array:
-    if cfg.style == "llama":
-        h = h + attention(cfg, p, rms_norm(h, p["n1"], hooks), hooks)
-        x = rms_norm(h, p["n2"], hooks)
-        m = hooks.gate(hooks.act(jax.nn.silu, x @ p["wg"]), x @ p["wu"] + p["bu"])
-    else:
-        h = h + attention(cfg, p, layer_norm(h, p["n1"], p["n1b"], hooks), hooks)
-        x = layer_norm(h, p["n2"], p["n2b"], hooks)
-        m = hooks.act(partial(jax.nn.gelu, approximate=True), x @ p["wu"] + p["bu"])
-    return h + m @ p["wd"] + p["bd"]
-
-
-def model(cfg: Cfg, params: dict[str, Any], e: Any, hooks: Hooks) -> jax.Array:
-    """Next-token logits at the last position; ``e`` is the input embeddings [T, D] (or ``(tokens, positions)``)."""
-    h = e[0] + e[1] if isinstance(e, tuple) else e
-    layers = params["layers"]
-    if cfg.stack == "loop":
-        for p in layers:
-            h = block(cfg, p, h, hooks)
-    else:
-        stacked = jax.tree.map(lambda *a: jnp.stack(a), *layers)
-        step = (lambda c, p: (block(cfg, p, c, hooks), None))
-        if cfg.stack == "remat":
-            step = jax.checkpoint(step)
-        h, _ = jax.lax.scan(step, h, stacked)
-    h = rms_norm(h, params["nf"], hooks) if cfg.style == "llama" else layer_norm(h, params["nf"], params["nfb"], hooks)
-    return (h @ params["head"])[-1]
-
-
-def reference(cfg: Cfg, params: dict[str, Any], e: Any, hooks: Hooks, target: int) -> Any:
-    g = jax.grad(lambda v: model(cfg, params, v, hooks)[target])(e)
-    return jax.tree.map(lambda a, b: a * b, e, g)
-
-
-def inputs(cfg: Cfg, seed: int, t: int = 6, dtype: Any = jnp.float32) -> jax.Array:
-    return jax.random.normal(jax.random.key(seed + 1000), (t, cfg.d), dtype)
+def _references(cfg: Cfg, params: Any, e: jax.Array, hooks: Hooks, target: int) -> tuple[jax.Array, jax.Array]:
+    return reference(cfg, params, e, hooks, target), reference(cfg, params, e, PLAIN, target)
 
 
 def compare(cfg: Cfg, seed: int, composite: Any, hooks: Hooks, *, jit: bool = False, rtol: float = 1e-5,
@@ -215,28 +37,176 @@ def compare(cfg: Cfg, seed: int, composite: Any, hooks: Hooks, *, jit: bool = Fa
     params = init(cfg, seed, dtype)
     e = inputs(cfg, seed, dtype=dtype)
     fn = lambda v: model(cfg, params, v, PLAIN)
-    target = int(jnp.argmax(fn(e)))
+    target = int(jnp.argmax((jax.jit(fn) if jit else fn)(e)))
     run = lambda v: gk.attribution.lrp(fn, v, composite, target=target)
+    refs = lambda v: _references(cfg, params, v, hooks, target)
     r = (jax.jit(run) if jit else run)(e)
-    ref = reference(cfg, params, e, hooks, target)
+    ref, plain = (jax.jit(refs) if jit else refs)(e)
     np.testing.assert_allclose(np.asarray(r), np.asarray(ref), rtol=rtol, atol=atol * float(jnp.max(jnp.abs(ref))))
     np.testing.assert_allclose(np.asarray(r.sum(-1)), np.asarray(ref.sum(-1)), rtol=1e-4,
                                atol=10 * atol * float(jnp.max(jnp.abs(ref))))
     # the rules change the result: the reference is not the plain gradient × input
-    plain = reference(cfg, params, e, PLAIN, target)
     assert float(jnp.max(jnp.abs(plain - ref))) > 1e-3 * float(jnp.max(jnp.abs(ref)))
 
 
 # --------------------------------------------------------------------------- tests
 
 
-@pytest.mark.parametrize("name,hooks", [("attn", ATTN), ("cp", CP)])
-@pytest.mark.parametrize("jit", [False, True])
-def test_llama_einsum_attention(name: str, hooks: Hooks, jit: bool) -> None:
-    compare(Cfg(), 0, ATTN_LRP if name == "attn" else CP_LRP, hooks, jit=jit)
+def random_cfg(seed: int) -> tuple[Cfg, bool]:
+    """A small random configuration (and whether to jit): every attention form, mask, stacking and head layout."""
+    rng = np.random.default_rng(seed)
+    pick = lambda *xs: xs[int(rng.integers(len(xs)))]
+    style = pick("llama", "gpt2")
+    heads = pick(2, 4)
+    cfg = Cfg(d=8 * heads, heads=heads, kv_heads=pick(1, heads) if style == "llama" else heads,
+              ffn=int(pick(12, 20)), layers=int(pick(1, 2)), attention=pick("einsum", "matmul", "inline", "dpa"),
+              mask=pick("where", "add", "finfo"), style=style, stack=pick("loop", "scan", "remat"),
+              bias=bool(pick(False, True)))
+    return cfg, bool(pick(False, True))
 
 
-@pytest.mark.parametrize("name,hooks", [("attn", ATTN), ("cp", CP)])
-def test_gpt2_layernorm_gelu(name: str, hooks: Hooks) -> None:
-    compare(Cfg(style="gpt2", bias=True, mask="finfo", kv_heads=4), 1, ATTN_LRP if name == "attn" else CP_LRP,
-            hooks)
+def test_llama_block() -> None:
+    compare(Cfg(layers=1), 0, ATTN_LRP, ATTN, jit=True)
+
+
+@pytest.mark.slow
+def test_gpt2_block() -> None:
+    compare(Cfg(layers=1, style="gpt2", bias=True, kv_heads=4, attention="inline", mask="add"), 1, CP_LRP, CP,
+            jit=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(24))
+def test_random_models_match_the_hand_written_reference(seed: int) -> None:
+    cfg, jit = random_cfg(seed)
+    compare(cfg, seed, ATTN_LRP, ATTN, jit=jit)
+    compare(cfg, seed, CP_LRP, CP, jit=not jit)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attention", ["einsum", "matmul", "inline", "dpa"])
+@pytest.mark.parametrize("mask", ["where", "add", "finfo"])
+def test_attention_forms_and_masks(attention: str, mask: str, maybe_jit: Any) -> None:
+    compare(Cfg(layers=1, attention=attention, mask=mask), 2, ATTN_LRP, ATTN, jit=maybe_jit is jax.jit)
+    compare(Cfg(layers=1, attention=attention, mask=mask), 2, CP_LRP, CP, jit=maybe_jit is jax.jit)
+
+
+def test_scan_of_remat_blocks_with_grouped_query_heads() -> None:
+    compare(Cfg(stack="remat", attention="dpa", kv_heads=1), 3, ATTN_LRP, ATTN, jit=True)
+
+
+@pytest.mark.slow
+def test_scan_eager_and_gpt2_scan() -> None:
+    compare(Cfg(stack="scan", kv_heads=1), 3, ATTN_LRP, ATTN)
+    compare(Cfg(style="gpt2", bias=True, kv_heads=4, attention="inline", mask="add", stack="scan"), 4, CP_LRP, CP,
+            jit=True)
+
+
+@pytest.mark.slow
+def test_float64_matches_tighter(x64: Any) -> None:
+    compare(Cfg(layers=1), 5, ATTN_LRP, ATTN, rtol=1e-10, atol=1e-12, dtype=jnp.float64)
+    compare(Cfg(layers=1, style="gpt2", kv_heads=4), 6, CP_LRP, CP, rtol=1e-10, atol=1e-12, dtype=jnp.float64)
+
+
+def test_cp_lrp_is_conservative_on_a_bias_free_llama() -> None:
+    cfg = Cfg(layers=2)
+    params = init(cfg, 7)
+    e = inputs(cfg, 7)
+    fn = lambda v: model(cfg, params, v, PLAIN)
+    logits = jax.jit(fn)(e)
+    r, report = jax.jit(lambda v: gk.attribution.lrp(fn, v, CP_LRP, check=True))(e)
+    top = float(jnp.max(logits))
+    assert abs(float(r.sum()) - top) <= 1e-4 * abs(top)
+    assert abs(float(report.total_relevance) - float(r.sum())) <= 1e-6 * abs(top)
+    assert float(report.seed) == 1.0 and abs(float(report.explained_output) - top) <= 1e-6 * abs(top)
+    # AttnLRP is not: its softmax rule drops the linearisation's bias term (AttnLRP's Prop. 3.1)
+    r_attn = jax.jit(lambda v: gk.attribution.lrp(fn, v, ATTN_LRP))(e)
+    assert abs(float(r_attn.sum()) - top) > 1e-3 * abs(top)
+
+
+def test_relevance_at_position_embeddings() -> None:
+    cfg = Cfg(style="gpt2", bias=True, kv_heads=4, layers=1)
+    params = init(cfg, 8)
+    tok, pos = inputs(cfg, 8), 0.5 * inputs(cfg, 9)
+    fn = lambda e: model(cfg, params, e, PLAIN)
+    target = int(jnp.argmax(jax.jit(fn)((tok, pos))))
+    r_tok, r_pos = jax.jit(lambda e: gk.attribution.lrp(fn, e, ATTN_LRP, target=target))((tok, pos))
+    ref_tok, ref_pos = jax.jit(lambda e: reference(cfg, params, e, ATTN, target))((tok, pos))
+    np.testing.assert_allclose(np.asarray(r_tok), np.asarray(ref_tok), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(r_pos), np.asarray(ref_pos), rtol=1e-5, atol=1e-6)
+    assert float(jnp.max(jnp.abs(r_pos))) > 1e-3
+    _, report = jax.jit(lambda e: gk.attribution.lrp(fn, e, ATTN_LRP, target=target, check=True))((tok, pos))
+    np.testing.assert_allclose(float(report.total_relevance), float(r_tok.sum() + r_pos.sum()), rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_batched_under_vmap() -> None:
+    cfg = Cfg(layers=1)
+    params = init(cfg, 10)
+    es = jnp.stack([inputs(cfg, 10), inputs(cfg, 11)])
+    fn = lambda v: model(cfg, params, v, PLAIN)
+    rs = jax.vmap(lambda v: gk.attribution.lrp(fn, v, ATTN_LRP, target=3))(es)
+    for e, r in zip(es, rs):
+        np.testing.assert_allclose(np.asarray(r), np.asarray(reference(cfg, params, e, ATTN, 3)), rtol=1e-5,
+                                   atol=1e-6)
+
+
+def _identity_reference(f: Any, x: jax.Array, eps: float) -> jax.Array:
+    return f(x) / (x + eps)  # ΣR = Σ f(x): the identity rule at one activation, seeded with 1 on a sum
+
+
+@pytest.mark.parametrize("name,f", [
+    ("silu", jax.nn.silu), ("x*sigmoid(x)", lambda x: x * jax.nn.sigmoid(x)),
+    ("gelu_tanh", lambda x: jax.nn.gelu(x, approximate=True)),
+    ("gelu_erf", lambda x: jax.nn.gelu(x, approximate=False)),
+    ("tanh", jnp.tanh), ("relu", jax.nn.relu), ("softplus", jax.nn.softplus),
+])
+def test_activations_take_the_identity_rule(name: str, f: Any) -> None:
+    x = jnp.array([-2.0, -0.5, 1e-3, 0.7, 3.0])
+    w = jnp.array([[0.5], [-1.0], [2.0], [1.5], [0.25]])
+    fn = lambda v: f(v * 1.5 + 0.1) @ w
+    h = x * 1.5 + 0.1
+    r = gk.attribution.lrp(fn, x, ATTN_LRP)
+    want = x * 1.5 * w[:, 0] * f(h) / (h + 1e-10)
+    np.testing.assert_allclose(np.asarray(r), np.asarray(want), rtol=1e-5, atol=1e-7)
+    r6 = gk.attribution.lrp(fn, x, ATTN_LRP | {"activation": gk.attribution.identity(1e-2)})
+    np.testing.assert_allclose(np.asarray(r6), np.asarray(x * 1.5 * w[:, 0] * f(h) / (h + 1e-2)), rtol=1e-5,
+                               atol=1e-7)
+    kept = gk.attribution.lrp(fn, x, ATTN_LRP | {"activation": gk.attribution.gradient_rule()})
+    g = jax.grad(lambda v: fn(v)[0])(x)
+    np.testing.assert_allclose(np.asarray(kept), np.asarray(x * g), rtol=1e-5, atol=1e-7)
+
+
+def test_what_the_dataflow_finds() -> None:
+    from gradkit._src import compat
+
+    def kinds(fn: Any, x: Any) -> dict[str, int]:
+        found: dict[str, int] = {}
+        jax.make_jaxpr(lambda v: found.update(compat.run_gradient_form(fn, v, lambda s, ops: s.apply(*ops))[2]))(x)
+        return found
+
+    cfg = Cfg(layers=2)
+    params = init(cfg, 0)
+    e = inputs(cfg, 0)
+    # per block: 2 RMSNorms, q·kᵀ, A·v, silu(gate)·up; plus the final RMSNorm. The softmax's exp is no activation.
+    assert kinds(lambda v: model(cfg, params, v, PLAIN), e) == {"normalizer": 5, "product": 6, "activation": 2}
+    gcfg = Cfg(style="gpt2", bias=True, kv_heads=4, layers=1, attention="inline")
+    gparams = init(gcfg, 0)
+    # the LayerNorm's centring is no normalizer; GELU's tanh form is one activation
+    assert kinds(lambda v: model(gcfg, gparams, v, PLAIN), e) == {"normalizer": 3, "product": 2, "activation": 1}
+    # a log-softmax's exp (a logsumexp) is no activation
+    assert kinds(lambda v: jax.nn.log_softmax(v @ params["head"]), e) == {}
+
+
+def test_rules_that_do_not_fit_the_form() -> None:
+    with pytest.raises(gk.GradkitError, match=r"\[gradkit\].*does not fit the 'gradient' form"):
+        ATTN_LRP | {"dense": gk.attribution.epsilon(1e-6)}
+    with pytest.raises(gk.GradkitError, match=r"for 'product' sites, not 'activation'"):
+        ATTN_LRP | {"activation": gk.attribution.uniform()}
+    with pytest.raises(gk.GradkitError, match=r"does not fit the 'relevance' form"):
+        gk.attribution.EPSILON_PLUS | {"activation": gk.attribution.identity()}
+    with pytest.raises(gk.GradkitError, match=r"stabilizer must be >= 0"):
+        gk.attribution.identity(-1.0)
+    assert gk.attribution.ATTN_LRP.form == gk.attribution.CP_LRP.form == "gradient"
+    assert gk.attribution.FORMS == ("relevance", "gradient")
+    assert (ATTN_LRP | {"activation": gk.attribution.identity(1e-6)})["activation"] == gk.attribution.identity(1e-6)

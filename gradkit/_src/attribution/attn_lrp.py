@@ -111,6 +111,9 @@ def uniform() -> LrpRule:
       [3.0, 3.0]
     """
     def site(s: Any, ops: list[Any]) -> Any:
+        if s.fused:  # softmax(q·kᵀ)·v in one kernel: both products' halves, at q, k (¼) and v (½)
+            q, k, v, *rest = ops
+            return s.apply(_scale_cotangent(q, 0.25), _scale_cotangent(k, 0.25), _scale_cotangent(v, 0.5), *rest)
         return _scale_cotangent(s.apply(*ops), 0.5)
 
     return LrpRule("uniform", _gradient_only("uniform"), forms=("gradient",), kinds=("product",), site_rule=site)
@@ -134,6 +137,9 @@ def hold_gate() -> LrpRule:
       [0.0, 2.0]
     """
     def site(s: Any, ops: list[Any]) -> Any:
+        if s.fused:  # softmax(q·kᵀ)·v in one kernel: the attention weights constant, so q and k
+            q, k, *rest = ops
+            return s.apply(jax.lax.stop_gradient(q), jax.lax.stop_gradient(k), *rest)
         if sum(s.gates) != 1:
             return _scale_cotangent(s.apply(*ops), 0.5)
         return s.apply(*(jax.lax.stop_gradient(o) if g else o for o, g in zip(ops, s.gates)))

@@ -45,7 +45,8 @@ class GSite:
     ``"normalizer"`` or ``"product"`` (``apply(a, b)``: the op on its two
     input-dependent operands). ``gates`` (products): per operand, whether it
     comes out of a softmax or an activation. ``normalizer``: which operand is
-    the statistic (a normalizer's ``σ``). ``name``: the op (or the ``jax.nn``
+    the statistic (a normalizer's ``σ``). ``fused``: the product is a fused
+    attention kernel ``softmax(q·kᵀ)·v`` (``apply(q, k, v, *rest)``). ``name``: the op (or the ``jax.nn``
     function) and ``source`` the user's line.
     """
 
@@ -56,6 +57,7 @@ class GSite:
     source: str | None = None
     gates: tuple[bool, ...] = ()
     normalizer: int = -1
+    fused: bool = False
 
 
 def _varying_outs(jaxpr: Any, flags: Sequence[bool]) -> list[bool]:
@@ -166,10 +168,10 @@ class _Runner:
             self.count += 1
             return self.handle(g, [consts[x_var]])
 
-        def apply2(a: Any, b: Any) -> Any:
-            return bind(last, [a, b])[0]
+        def apply2(*ops: Any) -> Any:
+            return bind(last, list(ops))[0]
 
-        g = GSite(site.kind, site.name, self.count, apply2, source_line(last), site.gates, site.normalizer)
+        g = GSite(site.kind, site.name, self.count, apply2, source_line(last), site.gates, site.normalizer, site.fused)
         self.count += 1
         return self.handle(g, [read(a) for a in last.invars])
 

@@ -23,13 +23,14 @@ plan finds, in order of precedence:
 * **product**: a ``mul`` or ``dot_general`` of two varying floating operands
   (``q·kᵀ``, ``A·v``, ``act(g)·u``). Its operands that come out of a softmax
   or an activation (through layout ops and scalings by constants) are its
-  *gates*.
+  *gates*. A fused attention kernel (``jax.nn.dot_product_attention``'s
+  cuDNN ``custom_vjp``, opaque) is one product site of its q, k and v.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -59,6 +60,8 @@ _SPREAD = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "c
 _CARRY_GATE = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "broadcast_in_dim", "convert_element_type",
                          "copy", "copy_p", "slice", "dynamic_slice", "gather", "concatenate", "pad", "rev",
                          "reduce_precision", "optimization_barrier", "mul", "div", "select_n", "neg"})
+#: ``custom_vjp`` functions that are a fused ``softmax(q·kᵀ)·v`` with q, k, v first (cuDNN's, in jax.nn).
+FUSED_ATTENTION = frozenset({"_dot_product_attention"})
 _CALLS = frozenset({"closed_call", "core_call", "checkpoint", "remat", "remat2"})
 _PASS = frozenset({"convert_element_type", "copy", "copy_p", "reshape", "squeeze", "expand_dims", "transpose",
                    "reduce_precision"})
@@ -81,7 +84,7 @@ class Site:
     name: str = ""
     gates: tuple[bool, ...] = ()
     normalizer: int = -1
-    consts: list[Any] = field(default_factory=list)
+    fused: bool = False
 
 
 def _shape(atom: Any) -> tuple[int, ...]:
@@ -321,6 +324,10 @@ class GPlan:
         if prim == "dot_general" and len(dyn) == 2:
             a, b = eqn.invars
             self.sites[i] = Site("product", [i], [a, b], name=prim, gates=(a in self.gates, b in self.gates))
+            return
+        if (is_custom_derivative(eqn) and eqn_name(eqn)[3:] in FUSED_ATTENTION and len(eqn.invars) >= 3
+                and all(self._var(a) and _is_float(a) for a in eqn.invars[:3])):
+            self.sites[i] = Site("product", [i], list(eqn.invars), name=eqn_name(eqn), gates=(False,) * 3, fused=True)
             return
         if (is_jit(eqn) or prim in _CALLS) and any(self._var(a) for a in eqn.invars):
             inner, _ = jaxpr_parts(eqn.params["jaxpr"])
