@@ -140,12 +140,12 @@ def test_random_order_has_area_about_zero_and_gradient_x_input_more():
 def test_jit_and_eager_agree_and_batched_equals_per_example():
     p = params(8)
     f = lambda e: jax_model(p, e)
-    x, r = data(9, (4, 6, 4))
+    x, r = data(9, (3, 6, 4))
     eager = curve(f, x, r, steps=6, patch=(1, None))
     jitted = jax.jit(lambda x, r, t: curve(f, x, r, steps=6, patch=(1, None), target=t))(x, r, jnp.argmax(f(x), -1))
     for a, b in zip(eager, jitted):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-    for i in range(4):
+    for i in range(3):
         one = curve(f, x[i:i + 1], r[i:i + 1], steps=6, patch=(1, None))
         np.testing.assert_allclose(one.most_relevant_first, eager.most_relevant_first[i:i + 1], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(one.least_relevant_first, eager.least_relevant_first[i:i + 1], rtol=1e-5,
