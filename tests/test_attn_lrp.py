@@ -42,11 +42,12 @@ def compare(cfg: Cfg, seed: int, composite: Any, hooks: Hooks, *, jit: bool = Fa
     refs = lambda v: _references(cfg, params, v, hooks, target)
     r = (jax.jit(run) if jit else run)(e)
     ref, plain = (jax.jit(refs) if jit else refs)(e)
-    np.testing.assert_allclose(np.asarray(r), np.asarray(ref), rtol=rtol, atol=atol * float(jnp.max(jnp.abs(ref))))
-    np.testing.assert_allclose(np.asarray(r.sum(-1)), np.asarray(ref.sum(-1)), rtol=1e-4,
-                               atol=10 * atol * float(jnp.max(jnp.abs(ref))))
+    r, ref, plain = (np.asarray(a).astype(np.float64) for a in (r, ref, plain))  # bfloat16 too
+    scale = float(np.max(np.abs(ref)))
+    np.testing.assert_allclose(r, ref, rtol=rtol, atol=atol * scale)
+    np.testing.assert_allclose(r.sum(-1), ref.sum(-1), rtol=max(rtol, 1e-4), atol=10 * atol * scale)
     # the rules change the result: the reference is not the plain gradient × input
-    assert float(jnp.max(jnp.abs(plain - ref))) > 1e-3 * float(jnp.max(jnp.abs(ref)))
+    assert float(np.max(np.abs(plain - ref))) > 1e-3 * scale
 
 
 # --------------------------------------------------------------------------- tests
@@ -100,6 +101,13 @@ def test_scan_eager_and_gpt2_scan() -> None:
     compare(Cfg(stack="scan", kv_heads=1), 3, ATTN_LRP, ATTN)
     compare(Cfg(style="gpt2", bias=True, kv_heads=4, attention="inline", mask="add", stack="scan"), 4, CP_LRP, CP,
             jit=True)
+
+
+@pytest.mark.slow
+def test_bfloat16() -> None:
+    compare(Cfg(layers=1), 12, ATTN_LRP, ATTN, jit=True, rtol=2e-2, atol=2e-2, dtype=jnp.bfloat16)
+    compare(Cfg(layers=1, style="gpt2", kv_heads=4), 13, CP_LRP, CP, jit=True, rtol=2e-2, atol=2e-2,
+            dtype=jnp.bfloat16)
 
 
 @pytest.mark.slow
@@ -190,12 +198,20 @@ def test_what_the_dataflow_finds() -> None:
     e = inputs(cfg, 0)
     # per block: 2 RMSNorms, q·kᵀ, A·v, silu(gate)·up; plus the final RMSNorm. The softmax's exp is no activation.
     assert kinds(lambda v: model(cfg, params, v, PLAIN), e) == {"normalizer": 5, "product": 6, "activation": 2}
+    # the same in bfloat16 (which NumPy does not count as floating point)
+    bf16 = init(cfg, 0, jnp.bfloat16)
+    assert kinds(lambda v: model(cfg, bf16, v, PLAIN), e.astype(jnp.bfloat16)) == {"normalizer": 5, "product": 6,
+                                                                                   "activation": 2}
     gcfg = Cfg(style="gpt2", bias=True, kv_heads=4, layers=1, attention="inline")
     gparams = init(gcfg, 0)
     # the LayerNorm's centring is no normalizer; GELU's tanh form is one activation
     assert kinds(lambda v: model(gcfg, gparams, v, PLAIN), e) == {"normalizer": 3, "product": 2, "activation": 1}
-    # a log-softmax's exp (a logsumexp) is no activation
+    # a log-softmax's exp (a logsumexp) is no activation; a softmax with where= is a softmax (no normalizer)
     assert kinds(lambda v: jax.nn.log_softmax(v @ params["head"]), e) == {}
+    mask = jnp.arange(cfg.d) % 3 > 0
+    assert kinds(lambda v: jax.nn.softmax(v * 2.0, where=mask), e) == {}
+    # a gated MLP whose gate and up come out of one matrix product: an activation and a product
+    assert kinds(lambda v: jax.nn.gelu(v[:, :8]) * v[:, 8:], e) == {"activation": 1, "product": 1}
 
 
 def test_rules_that_do_not_fit_the_form() -> None:
@@ -210,3 +226,39 @@ def test_rules_that_do_not_fit_the_form() -> None:
     assert gk.attribution.ATTN_LRP.form == gk.attribution.CP_LRP.form == "gradient"
     assert gk.attribution.FORMS == ("relevance", "gradient")
     assert (ATTN_LRP | {"activation": gk.attribution.identity(1e-6)})["activation"] == gk.attribution.identity(1e-6)
+
+
+@pytest.mark.parametrize("branch", [0, 1])
+def test_inside_cond_and_switch(branch: int) -> None:
+    keys = jax.random.split(jax.random.key(20), 4)
+    w1, w2, w3 = (jax.random.normal(k, (6, 6)) / 3 for k in keys[:3])
+    x = jax.random.normal(keys[3], (6,))
+
+    def body(v: jax.Array, hooks: Any) -> list[jax.Array]:
+        gated = hooks.gate(hooks.act(jax.nn.silu, v @ w1), v @ w2) @ w3
+        normed = v * hooks.norm(jax.lax.rsqrt(jnp.mean(v * v) + 1e-6))
+        return [gated, normed @ w3]
+
+    def fn(v: jax.Array, hooks: Any, index: Any) -> jax.Array:
+        return jax.lax.switch(index, [lambda u: body(u, hooks)[0], lambda u: body(u, hooks)[1]], v)
+
+    index = jnp.asarray(branch)  # a traced index: the runner must enter both branches
+    r = jax.jit(lambda v, i: gk.attribution.lrp(lambda u: fn(u, PLAIN, i), v, ATTN_LRP, target=2))(x, index)
+    g = jax.grad(lambda v: fn(v, ATTN, branch)[2])(x)
+    np.testing.assert_allclose(np.asarray(r), np.asarray(x * g), rtol=1e-5, atol=1e-7)
+    assert float(jnp.max(jnp.abs(x * jax.grad(lambda v: fn(v, PLAIN, branch)[2])(x) - r))) > 1e-4
+
+
+def test_an_opaque_custom_vjp_on_the_path_is_named() -> None:
+    @jax.custom_vjp
+    def square_kernel(v: jax.Array) -> jax.Array:
+        return v * v
+
+    square_kernel.defvjp(lambda v: (v * v, v), lambda v, g: (2 * v * g,))
+    fn = lambda v: square_kernel(v)[:1]
+    x = jnp.array([1.5, -2.0])
+    with pytest.warns(gk.GradkitWarning, match=r"keep their own derivative.*square_kernel at .*test_attn_lrp.py"):
+        r = gk.attribution.lrp(fn, x, ATTN_LRP)
+    np.testing.assert_allclose(np.asarray(r), [2 * 1.5 * 1.5, 0.0])  # its own gradient × input
+    with pytest.raises(gk.GradkitError, match=r"strict=True makes this an error"):
+        gk.attribution.lrp(fn, x, ATTN_LRP, strict=True)

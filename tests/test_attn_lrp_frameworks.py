@@ -187,3 +187,45 @@ def test_blocks_stacked_with_linen_scan_and_remat() -> None:
     r = jax.jit(lambda v: gk.attribution.lrp(fn, v, gk.attribution.ATTN_LRP, target=target))(e)
     ref = jax.jit(lambda v: reference(ref_cfg, params, v, ATTN, target))(e)
     np.testing.assert_allclose(np.asarray(r), np.asarray(ref), rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(ref))))
+
+
+def _kinds(fn: Any, x: jax.Array) -> dict[str, int]:
+    from gradkit._src import compat
+
+    found: dict[str, int] = {}
+    jax.make_jaxpr(lambda v: found.update(compat.run_gradient_form(fn, v, lambda s, ops: s.apply(*ops))[2]))(x)
+    return found
+
+
+def _norms() -> tuple[jax.Array, dict[str, Any], dict[str, jax.Array]]:
+    x = jax.random.normal(jax.random.key(16), (T, D))
+    ln, rms = linen.LayerNorm(), linen.RMSNorm()
+    p_ln, p_rms = ln.init(jax.random.key(17), x), rms.init(jax.random.key(17), x)
+    e_ln, e_rms = eqx.nn.LayerNorm(D), eqx.nn.RMSNorm(D)
+    n_ln, n_rms = nnx.LayerNorm(D, rngs=nnx.Rngs(0)), nnx.RMSNorm(D, rngs=nnx.Rngs(0))
+    norms = {
+        "linen.LayerNorm": lambda v: ln.apply(p_ln, v), "linen.RMSNorm": lambda v: rms.apply(p_rms, v),
+        "nnx.LayerNorm": lambda v: n_ln(v), "nnx.RMSNorm": lambda v: n_rms(v),
+        "eqx.nn.LayerNorm": lambda v: jax.vmap(e_ln)(v), "eqx.nn.RMSNorm": lambda v: jax.vmap(e_rms)(v),
+        "jnp.var": lambda v: (v - v.mean(-1, keepdims=True)) / jnp.sqrt(v.var(-1, keepdims=True) + 1e-5),
+    }
+    biases = {"linen.LayerNorm": p_ln["params"]["bias"], "nnx.LayerNorm": n_ln.bias[...],
+              "eqx.nn.LayerNorm": e_ln.bias}
+    return x, norms, biases
+
+
+def test_the_norms_of_each_framework_are_one_normalizer() -> None:
+    x, norms, _ = _norms()
+    for name, f in norms.items():
+        assert _kinds(f, x) == {"normalizer": 1}, name
+
+
+@pytest.mark.slow
+def test_the_norms_pass_relevance_by_the_identity_rule() -> None:
+    # σ constant: Σ over features of x ⊙ g is the explained output less the norm's bias
+    x, norms, biases = _norms()
+    for name, f in norms.items():
+        r = gk.attribution.lrp(lambda v, f=f: f(v)[-1], x, gk.attribution.ATTN_LRP, target=3)
+        y = f(x)[-1]
+        bias = biases.get(name, jnp.zeros((D,)))
+        np.testing.assert_allclose(float(r.sum()), float(y[3] - bias[3]), rtol=1e-5, atol=1e-6, err_msg=name)

@@ -17,6 +17,7 @@ dataflow:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 from gradkit._src import compat
 from gradkit._src.attribution.attribution import _cotangent
 from gradkit._src.attribution.lrp_rules import LrpRule, _check_eps
-from gradkit._src.errors import GradkitError
+from gradkit._src.errors import GradkitError, GradkitWarning
 
 __all__ = ["GRADIENT_KINDS", "hold_gate", "identity", "run_gradient_form", "stop_gradient", "uniform"]
 
@@ -180,9 +181,28 @@ def _gradient_only(name: str) -> Callable[..., Any]:
     return rel
 
 
+def _report_opaque(opaque: list[tuple[str, str]], strict: bool) -> None:
+    seen = list(dict.fromkeys(opaque))
+    lines = "; ".join(f"{name} at {where}" for name, where in seen[:8])
+    more = f"; and {len(seen) - 8} more" if len(seen) > 8 else ""
+    msg = (f"attribution.lrp: {len(seen)} custom_jvp/custom_vjp function(s) on the relevance path keep their own "
+           f"derivative, their insides unseen, so their products and nonlinearities take no rule: {lines}{more}. "
+           f"Call their plain JAX version (e.g. jax.nn.dot_product_attention(..., implementation='xla')) to have "
+           f"them explained.")
+    if strict:
+        raise GradkitError(msg + " (strict=True makes this an error.)")
+    warnings.warn(f"[gradkit] {msg} Pass strict=True to make this an error.", GradkitWarning, stacklevel=4)
+
+
 def run_gradient_form(fn: Callable[[Any], Any], x: Any, composite: Mapping[str, LrpRule],
-                      target: Any, nan_outside: Callable[[Any, Any, Any], Any]) -> tuple[Any, Any, Any]:
-    """``(relevance shaped like x, the output, its cotangent)`` of the gradient form: ``x ⊙`` the modified VJP."""
+                      target: Any, nan_outside: Callable[[Any, Any, Any], Any],
+                      strict: bool = False) -> tuple[Any, Any, Any]:
+    """``(relevance shaped like x, the output, its cotangent)`` of the gradient form: ``x ⊙`` the modified VJP.
+
+    A ``custom_jvp``/``custom_vjp`` function on the input's path (other than
+    the activations and cuDNN's attention) keeps its own derivative, unseen:
+    a :class:`~gradkit.GradkitWarning` names it (``strict=True``: an error).
+    """
     leaves = jax.tree_util.tree_leaves(x)
     if not leaves:
         raise GradkitError("attribution.lrp: x has no arrays to attribute to.")
@@ -198,14 +218,18 @@ def run_gradient_form(fn: Callable[[Any], Any], x: Any, composite: Mapping[str, 
             return site.apply(*ops)
         return rule.site_rule(site, ops)
 
+    opaque: list[tuple[str, str]] = []
+
     def model(v: Any) -> Any:
-        outs, tree, _ = compat.run_gradient_form(fn, v, handle)
+        outs, tree, _ = compat.run_gradient_form(fn, v, handle, opaque)
         if tree.num_leaves != 1 or tree.num_nodes != 1:
             raise GradkitError(f"attribution.lrp: the model must return one array (its outputs, e.g. logits), "
                                f"got a structure {tree}.")
         return outs[0]
 
     out, pullback = jax.vjp(model, x)
+    if opaque:
+        _report_opaque(opaque, strict)
     cot = nan_outside(_cotangent("lrp", out, target), out, target)
     (g,) = pullback(cot)
     r = jax.tree_util.tree_map(lambda a, b: (a * b).astype(a.dtype), x, g)

@@ -310,6 +310,20 @@ def lrp(fn: Callable[[jax.Array], jax.Array], x: Any, composite: Mapping[str, Lr
     the output starts with the one-hot of ``target``, so ``ΣR ≈ 1`` per
     example (less what biases and stabilizers absorb; see ``check``).
 
+    **Gradient form** (:data:`ATTN_LRP`, :data:`CP_LRP`: AttnLRP and CP-LRP
+    for transformers, as LXT's efficient mode): the cotangent carried
+    backward is a modified gradient and the relevance is ``x`` times it, so
+    ``ΣR ≈`` the target logit. Every op keeps its gradient except the sites
+    found by dataflow: a product of two values that depend on ``x``
+    (``"product"``: ``q·kᵀ``, ``A·v``, a gated MLP), an element-wise
+    nonlinearity (``"activation"``, also written out as ``x*sigmoid(x)``) and
+    the statistic of a LayerNorm or RMSNorm (``"normalizer"``). ``x`` may be
+    a pytree of arrays (token and position embeddings); the relevance has its
+    structure. ``canonize`` does not apply; a ``custom_jvp``/``custom_vjp``
+    function on the relevance path (other than an activation and cuDNN's
+    attention) keeps its own derivative, with a warning (``strict=True``: an
+    error).
+
     **Canonization** (``canonize=True``, Zennit's canonizers, found by
     dataflow): a per-channel affine map with constant operands right after a
     dense or conv layer — BatchNorm in eval mode (Flax linen, NNX, Equinox,
@@ -333,8 +347,10 @@ def lrp(fn: Callable[[jax.Array], jax.Array], x: Any, composite: Mapping[str, Lr
     Args:
       fn: the model as a function of its input, returning one array whose
         last axis holds the classes (or a scalar).
-      x: the input, e.g. a batch of images.
-      composite: a :class:`Composite` or any mapping from layer kind
+      x: the input, e.g. a batch of images; in the gradient form also a
+        pytree of arrays.
+      composite: a :class:`Composite` (e.g. :data:`ATTN_LRP` for a
+        transformer) or any mapping from layer kind
         (``"dense"``, ``"conv"``, ``"avg_pool"``, ``"max_pool"``,
         ``"activation"``, ``"sum"``, ``"first"``, ``"first_conv"``) to rule,
         e.g. :data:`EPSILON_PLUS_FLAT` or ``EPSILON_PLUS | {"dense": epsilon(0.1)}``.
@@ -370,7 +386,7 @@ def lrp(fn: Callable[[jax.Array], jax.Array], x: Any, composite: Mapping[str, Lr
                            f"gk.attribution.EPSILON_PLUS), got {type(composite).__name__}.")
     composite = composite if isinstance(composite, Composite) else Composite(composite)
     if composite.form == "gradient":
-        r, out, cot = attn_lrp.run_gradient_form(fn, x, composite, target, _nan_outside)
+        r, out, cot = attn_lrp.run_gradient_form(fn, x, composite, target, _nan_outside, bool(strict))
         if not check:
             return r
         leaf = jax.tree_util.tree_leaves(x)[0]

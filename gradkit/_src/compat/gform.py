@@ -22,6 +22,8 @@ from gradkit._src.compat.gform_scan import GPlan, Site
 from gradkit._src.compat.jaxprs import (
     bind,
     cond_layout,
+    eqn_name,
+    is_custom_derivative,
     is_jit,
     is_literal,
     jaxpr_parts,
@@ -70,10 +72,12 @@ class _Runner:
         self.handle = handle
         self.count = 0
         self.kinds: dict[str, int] = {}
+        self.opaque: list[tuple[str, str]] = []
 
     def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], varying: Sequence[bool],
-            gates: Sequence[bool]) -> tuple[list[Any], list[bool]]:
-        plan = GPlan(jaxpr, varying, gates)
+            gates: Sequence[bool], stats: Sequence[bool] = (), normalizing: Sequence[bool] = ()
+            ) -> tuple[list[Any], list[bool]]:
+        plan = GPlan(jaxpr, varying, gates, stats, normalizing)
         env: dict[Any, Any] = {}
         for v, c in zip(jaxpr.constvars, consts):
             env[v] = c
@@ -90,13 +94,15 @@ class _Runner:
             flags = [is_varying(a, plan.varying) for a in eqn.invars]
             prim = eqn.primitive.name
             in_gates = [not is_literal(a) and a in plan.gates for a in eqn.invars]
+            in_stats = [not is_literal(a) and a in plan.stat for a in eqn.invars]
             if any(flags) and (is_jit(eqn) or prim in _CALLS or prim in _REMAT):
                 inner, inner_consts = jaxpr_parts(eqn.params["jaxpr"])
                 with call_site(eqn):
+                    norm = [v in plan.stat and plan.feeds_statistic(v) for v in eqn.outvars]
                     if prim in _REMAT:
-                        outs = self._remat(eqn, inner, inner_consts, invals, flags, in_gates)
+                        outs = self._remat(eqn, inner, inner_consts, invals, flags, in_gates, in_stats)
                     else:
-                        outs, _ = self.run(inner, inner_consts, invals, flags, in_gates)
+                        outs, _ = self.run(inner, inner_consts, invals, flags, in_gates, in_stats, norm)
             elif any(flags[1:]) and prim == "cond":
                 with call_site(eqn):
                     outs = self._cond(eqn, invals, flags, in_gates)
@@ -104,15 +110,17 @@ class _Runner:
                 with call_site(eqn):
                     outs = self._scan(eqn, invals, flags, in_gates)
             else:
+                if any(flags) and is_custom_derivative(eqn):  # its own derivative: its inside is unseen
+                    self.opaque.append((eqn_name(eqn), source_line(eqn)))
                 outs = bind(eqn, invals)
             for v, o in zip(eqn.outvars, outs):
                 env[v] = o
         return [read(a) for a in jaxpr.outvars], plan.out_gates
 
     def _remat(self, eqn: Any, inner: Any, inner_consts: Sequence[Any], invals: list[Any], flags: list[bool],
-               gates: list[bool]) -> list[Any]:
+               gates: list[bool], stats: list[bool]) -> list[Any]:
         def body(*ops: Any) -> list[Any]:
-            return self.run(inner, inner_consts, list(ops), flags, gates)[0]
+            return self.run(inner, inner_consts, list(ops), flags, gates, stats)[0]
 
         policy = eqn.params.get("policy")
         prevent_cse = eqn.params.get("prevent_cse", True)
@@ -176,8 +184,8 @@ class _Runner:
         return self.handle(g, [read(a) for a in last.invars])
 
 
-def run_gradient_form(fn: Callable[[Any], Any], x: Any, handle: Callable[[GSite, list[Any]], Any]
-                      ) -> tuple[list[Any], Any, dict[str, int]]:
+def run_gradient_form(fn: Callable[[Any], Any], x: Any, handle: Callable[[GSite, list[Any]], Any],
+                      opaque: list[tuple[str, str]] | None = None) -> tuple[list[Any], Any, dict[str, int]]:
     """Runs ``fn(x)`` (``x`` a pytree of arrays) with each gradient-form rule site computed by ``handle``.
 
     ``handle(site, operands)`` must return what ``site.apply(*operands)``
@@ -185,6 +193,9 @@ def run_gradient_form(fn: Callable[[Any], Any], x: Any, handle: Callable[[GSite,
     ``x``'s type; its program is then evaluated in the current trace (under
     ``jit``, ``vmap``, ``vjp``). Returns ``(outputs as a flat list, output
     tree structure, how many sites of each kind ran in the traced program)``.
+    ``opaque``, when given, collects ``(function, source line)`` of each
+    ``custom_jvp``/``custom_vjp`` function on the input's path that keeps its
+    own derivative (its products and nonlinearities take no rule).
     """
     leaves, tree = jax.tree_util.tree_flatten(x)
     closed, shape = jax.make_jaxpr(lambda *ls: fn(jax.tree_util.tree_unflatten(tree, list(ls))),
@@ -192,4 +203,6 @@ def run_gradient_form(fn: Callable[[Any], Any], x: Any, handle: Callable[[GSite,
     jaxpr, consts = jaxpr_parts(closed)
     runner = _Runner(handle)
     outs, _ = runner.run(jaxpr, consts, leaves, [True] * len(leaves), [False] * len(leaves))
+    if opaque is not None:
+        opaque.extend(runner.opaque)
     return outs, jax.tree_util.tree_structure(shape), dict(runner.kinds)

@@ -33,10 +33,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
+import jax.numpy as jnp
 
 from gradkit._src.compat.jaxprs import JaxprEqn, eqn_name, is_custom_derivative, is_jit, is_literal, jaxpr_parts
-from gradkit._src.compat.layer_scan import ACTIVATION_FUNCTIONS, is_varying, literal_scalar
+from gradkit._src.compat.layer_scan import ACTIVATION_FUNCTIONS, is_varying
 
 __all__ = ["GPlan", "Site"]
 
@@ -71,11 +71,12 @@ _PASS = frozenset({"convert_element_type", "copy", "copy_p", "reshape", "squeeze
 class Site:
     """Equations that take one rule: ``kind``, the equations (indices, the last one defines the output).
 
-    ``inputs`` are the varying operands the rule sees: the region's input for
-    an activation, the two operands of a product or normalizer (``eqns`` is
-    one equation). ``gates``: per operand, whether it comes out of a softmax
-    or an activation (products); ``normalizer``: which operand is the
-    statistic (normalizers).
+    ``inputs``: the region's input (activations), or the equation's operands
+    (products, normalizers: ``eqns`` is one equation). ``gates``: per
+    operand, whether it comes out of a softmax or an activation (products);
+    ``normalizer``: which operand is the statistic (normalizers);
+    ``fused``: a fused attention kernel ``softmax(q·kᵀ)·v`` whose first three
+    operands are q, k and v.
     """
 
     kind: str
@@ -98,7 +99,7 @@ def _fits(shape: tuple[int, ...], out: tuple[int, ...]) -> bool:
 
 def _is_float(atom: Any) -> bool:
     dtype = getattr(atom.aval, "dtype", None)
-    return dtype is not None and bool(np.issubdtype(dtype, np.inexact))
+    return dtype is not None and bool(jnp.issubdtype(dtype, jnp.inexact))  # bfloat16 too (NumPy's is not)
 
 
 def _activation_call(eqn: JaxprEqn) -> str | None:
@@ -113,10 +114,37 @@ def stops_gradient(eqn: JaxprEqn) -> bool:
     return eqn.primitive.name == "stop_gradient"
 
 
+def _statistics(jaxpr: Any, varying: set[Any], stat_in: Sequence[bool]) -> set[Any]:
+    """Varying values computed from a reduction by element-wise ops and broadcasts only (also out of a ``jit``)."""
+    stat: set[Any] = {v for v, s in zip(jaxpr.invars, stat_in) if s}
+    for eqn in jaxpr.eqns:
+        prim = eqn.primitive.name
+        dyn = [a for a in eqn.invars if is_varying(a, varying)]
+        if not dyn or stops_gradient(eqn):
+            continue
+        if (is_jit(eqn) or prim in _CALLS) and len(eqn.outvars) >= 1:
+            inner, _ = jaxpr_parts(eqn.params["jaxpr"])
+            flags = [is_varying(a, varying) for a in eqn.invars]
+            inner_varying = {v for v, f in zip(inner.invars, flags) if f}
+            for e in inner.eqns:
+                if not stops_gradient(e) and any(is_varying(a, inner_varying) for a in e.invars):
+                    inner_varying.update(e.outvars)
+            inner_stat = _statistics(inner, inner_varying, [not is_literal(a) and a in stat for a in eqn.invars])
+            stat.update(v for v, a in zip(eqn.outvars, inner.outvars) if not is_literal(a) and a in inner_stat)
+        elif len(eqn.outvars) != 1:
+            continue
+        elif prim in _REDUCTIONS or prim in ("psum", "pmean"):
+            stat.add(eqn.outvars[0])
+        elif (prim in _ELEMENTWISE or prim in _SPREAD) and all(a in stat for a in dyn):
+            stat.add(eqn.outvars[0])
+    return stat
+
+
 class GPlan:
     """One jaxpr's gradient-form plan: its sites (by last equation), the equations deferred into them."""
 
-    def __init__(self, jaxpr: Any, varying_in: Sequence[bool], gates_in: Sequence[bool] = ()) -> None:
+    def __init__(self, jaxpr: Any, varying_in: Sequence[bool], gates_in: Sequence[bool] = (),
+                 stats_in: Sequence[bool] = (), normalizing_out: Sequence[bool] = ()) -> None:
         self.eqns = list(jaxpr.eqns)
         self.varying: set[Any] = {v for v, d in zip(jaxpr.invars, varying_in) if d}
         self.producer: dict[Any, int] = {}
@@ -130,10 +158,12 @@ class GPlan:
                 if not is_literal(a):
                     self.users.setdefault(a, []).append(i)
         self.outs = {a for a in jaxpr.outvars if not is_literal(a)}
+        # outputs the caller (this is a jit body) uses as a statistic that normalizes a value
+        self.normalizing = {a for a, n in zip(jaxpr.outvars, normalizing_out) if n and not is_literal(a)}
         self.sites: dict[int, Site] = {}
         self.deferred: set[int] = set()
         self.softmax: set[int] = set()  # the div (and exp) equations of softmaxes
-        self.stat = self._statistics()
+        self.stat = _statistics(jaxpr, self.varying, stats_in)
         taken = self._find_softmax()
         self._find_regions(taken)
         self.gates: set[Any] = {v for v, g in zip(jaxpr.invars, gates_in) if g}
@@ -162,20 +192,6 @@ class GPlan:
             j = self.producer.get(v)
         return v, j
 
-    def _statistics(self) -> set[Any]:
-        """Varying values computed from a reduction by element-wise ops and broadcasts only."""
-        stat: set[Any] = set()
-        for eqn in self.eqns:
-            if len(eqn.outvars) != 1 or not self._var(eqn.outvars[0]):
-                continue
-            prim = eqn.primitive.name
-            dyn = [a for a in eqn.invars if self._var(a)]
-            if prim in _REDUCTIONS or (prim in ("psum", "pmean")):
-                stat.add(eqn.outvars[0])
-            elif (prim in _ELEMENTWISE or prim in _SPREAD) and dyn and all(a in stat for a in dyn):
-                stat.add(eqn.outvars[0])
-        return stat
-
     def _find_softmax(self) -> set[int]:
         taken: set[int] = set()
         for i, eqn in enumerate(self.eqns):
@@ -187,18 +203,34 @@ class GPlan:
             den, k = self._back(eqn.invars[1], _PASS | {"broadcast_in_dim"})
             if k is None or self.eqns[k].primitive.name != "reduce_sum":
                 continue
-            src, _ = self._back(self.eqns[k].invars[0], _PASS)
+            src = self._unmask(self.eqns[k].invars[0])
             if src is num:
                 self.softmax.update((i, j))
                 taken.add(j)
         return taken
 
-    def _feeds_statistic(self, v: Any) -> bool:
+    def _unmask(self, v: Any) -> Any:
+        """``v`` followed back through layout ops and masks (a ``select_n``/``where`` or a product with one
+        varying operand): ``jax.nn.softmax(..., where=)`` sums the masked ``exp``."""
+        while True:
+            v, j = self._back(v, _PASS)
+            if j is None:
+                return v
+            e = self.eqns[j]
+            dyn = [a for a in e.invars if self._var(a)]
+            masking = e.primitive.name in ("select_n", "mul") or (is_jit(e) and eqn_name(e) == "fn:_where")
+            if not masking or len(dyn) != 1 or (e.primitive.name == "select_n" and e.invars[0] is dyn[0]):
+                return v
+            v = dyn[0]
+
+    def feeds_statistic(self, v: Any) -> bool:
         """``v`` is reduced to a statistic that then normalizes or shifts a varying value (``x²`` before the
         mean of an RMSNorm, the ``exp`` of a logsumexp)."""
         todo, seen = [v], set()
         while todo:
             w = todo.pop()
+            if w in self.normalizing:
+                return True
             for u in self.users.get(w, []):
                 e = self.eqns[u]
                 if u in seen:
@@ -210,6 +242,8 @@ class GPlan:
                     if any(self._var(a) and a not in self.stat for a in e.invars):
                         return True
                     todo.extend(e.outvars)
+                elif w in self.stat and (is_jit(e) or e.primitive.name in _CALLS):
+                    todo.extend(o for o in e.outvars if o in self.stat)
         return False
 
     # ------------------------------------------------------------------ activations
@@ -285,7 +319,7 @@ class GPlan:
                     continue
                 if not self._closed(eqns_, end) or not any(self._nonlinear_end(j) for j in eqns_):
                     break
-                if self._feeds_statistic(eqn.outvars[0]):
+                if self.feeds_statistic(eqn.outvars[0]):
                     break
                 name = next((n for j in eqns_ if (n := _activation_call(self.eqns[j]))), "") or \
                     self.eqns[end].primitive.name
@@ -348,10 +382,6 @@ class GPlan:
             return
         if prim == "select_n" and dyn == [0]:
             return
-        if prim in ("pad", "dynamic_slice", "gather", "concatenate") and dyn != [0] and prim != "concatenate":
+        if prim in ("pad", "dynamic_slice", "gather") and dyn != [0]:
             return
         self.gates.add(eqn.outvars[0])
-
-
-def scalar_literal(atom: Any) -> float | None:
-    return literal_scalar(atom)
