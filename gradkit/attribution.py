@@ -5,7 +5,9 @@ shaped like the input; Guided Backprop and DeconvNet are rule tables
 (:data:`GUIDED_BACKPROP`, :data:`DECONVNET`) over ``jax.nn.relu``, so they
 reach every ReLU of a Flax or Equinox model without editing it. :func:`lrp`
 is Layer-wise Relevance Propagation with Zennit's rules and composites, on the
-layers it finds by dataflow in the model's program.
+layers it finds by dataflow in the model's program. :func:`perturbation_curve`
+measures how faithful a map is: the model's output as the inputs it ranks
+highest are removed.
 
 Examples:
   >>> import jax, jax.numpy as jnp, gradkit as gk
@@ -48,6 +50,8 @@ from gradkit._src.attribution.lrp_rules import pass_through as pass_through
 from gradkit._src.attribution.lrp_rules import w_square as w_square
 from gradkit._src.attribution.lrp_rules import zbox as zbox
 from gradkit._src.attribution.lrp_rules import zplus as zplus
+from gradkit._src.attribution.perturbation import PerturbationCurve as PerturbationCurve
+from gradkit._src.attribution.perturbation import perturbation_curve as perturbation_curve
 
 __all__ = [
     "ATTN_LRP",
@@ -64,6 +68,7 @@ __all__ = [
     "KINDS",
     "LrpReport",
     "LrpRule",
+    "PerturbationCurve",
     "STRUCTURAL_OPS",
     "alpha_beta",
     "deconvnet",
@@ -79,6 +84,7 @@ __all__ = [
     "lrp",
     "norm",
     "pass_through",
+    "perturbation_curve",
     "stop_gradient",
     "uniform",
     "w_square",
