@@ -21,3 +21,14 @@ def covering(*axes):
         marks = [pytest.mark.slow] if sum(idx) % 2 else []
         params.append(pytest.param(*values, marks=marks, id="-".join(map(_id, values))))
     return params
+
+
+MODES = ["eager", "jit"]
+
+
+def in_mode(mode):
+    """The ``maybe_jit`` fixture's two cases as a value of an axis of ``covering``: ``jax.jit`` for ``"jit"``,
+    the function as written for ``"eager"``."""
+    import jax
+
+    return jax.jit if mode == "jit" else (lambda f: f)

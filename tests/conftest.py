@@ -12,8 +12,11 @@
   XLA's compile is about half of the run's time. Each process (each xdist
   worker) has its own folder under one temporary folder for the run, removed
   at its end; nothing is kept between runs, so every run compiles from cold.
-  ``GRADKIT_TEST_JAX_CACHE=off`` turns it off. A cached executable is the one
-  XLA compiled for the same program, so no result depends on it.
+  ``GRADKIT_TEST_JAX_CACHE=off`` turns it off; ``GRADKIT_TEST_JAX_CACHE=FOLDER``
+  uses FOLDER and keeps it (.ci/run: the slow tests reuse what the README's
+  test command compiled with the same JAX). A cached executable is the one
+  XLA compiled for the same program (JAX keys an entry by the program, the
+  versions, the backend and XLA_FLAGS), so no result depends on it.
 """
 
 import os

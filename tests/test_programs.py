@@ -16,6 +16,7 @@ import pytest
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from budget import MODES, covering, in_mode
 
 import gradkit as gk
 from meshes import make_mesh
@@ -58,8 +59,9 @@ def _solve_program(sin_fn):
     return f
 
 
-@pytest.mark.parametrize("mode", ["grad", "jacfwd"])
-def test_rule_inside_custom_linear_solve(mode, maybe_jit):
+@pytest.mark.parametrize("mode,run", covering(["grad", "jacfwd"], MODES))  # a covering half; all in the slow set
+def test_rule_inside_custom_linear_solve(mode, run):
+    maybe_jit = in_mode(run)
     # The params hold a NamedTuple (matvec, vecmat, solve, transpose_solve) with None
     # entries: it is rebuilt with its own type, and the rule reaches inside both jaxprs.
     over = gk.override(_solve_program(jnp.sin), {"sin": DOUBLE_SIN})
@@ -113,8 +115,9 @@ def _solver_program(solver, sin_fn):
     return f
 
 
-@pytest.mark.parametrize("solver", ["linalg_solve", "custom_root"])
-def test_rule_reaches_into_other_solvers(solver, maybe_jit):
+@pytest.mark.parametrize("solver,run", covering(["linalg_solve", "custom_root"], MODES))  # all in the slow set
+def test_rule_reaches_into_other_solvers(solver, run):
+    maybe_jit = in_mode(run)
     f = _solver_program(solver, jnp.sin)
     over = gk.override(f, {"sin": DOUBLE_SIN})
     x = jnp.array([0.3, 0.7, 1.1])
@@ -156,8 +159,7 @@ def _like_jit(over, f, twin, x, transform):
     return True
 
 
-@pytest.mark.parametrize("transform", TRANSFORMS)
-@pytest.mark.parametrize("set_mesh", [False, True], ids=["no_set_mesh", "set_mesh"])
+@pytest.mark.parametrize("set_mesh,transform", covering([False, True], list(TRANSFORMS)))  # all in the slow set
 def test_shard_map_on_an_explicit_mesh(set_mesh, transform):
     mesh = _explicit_mesh()
     x = jax.device_put(jnp.linspace(0.5, 4.0, 8), NamedSharding(mesh, P("x")))
@@ -174,8 +176,7 @@ def test_shard_map_on_an_explicit_mesh(set_mesh, transform):
         assert ran or transform == "grad"  # jax 0.12 needs set_mesh for a reduction to a scalar here
 
 
-@pytest.mark.parametrize("transform", TRANSFORMS)
-@pytest.mark.parametrize("set_mesh", [False, True], ids=["no_set_mesh", "set_mesh"])
+@pytest.mark.parametrize("set_mesh,transform", covering([False, True], list(TRANSFORMS)))  # all in the slow set
 def test_named_sharding_input_on_an_explicit_mesh(set_mesh, transform):
     mesh = _explicit_mesh()
     x = jax.device_put(jnp.linspace(0.1, 1.6, 8), NamedSharding(mesh, P("x")))

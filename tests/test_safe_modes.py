@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from budget import MODES, covering, in_mode
 from hypothesis import HealthCheck, Phase, assume, given, settings
 from hypothesis import strategies as st
 
@@ -163,7 +164,7 @@ def fd64(f, x, h=1e-6):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-@settings(max_examples=10, **SETTINGS)
+@settings(max_examples=5, **SETTINGS)  # the default set's budget; the long version below runs 40 at depth 4
 @given(prog=programs(3), vals=st.lists(st.sampled_from(SPECIAL), min_size=N, max_size=N))
 def test_forward_and_reverse_agree_at_singular_points(dtype, prog, vals):
     with jax.enable_x64(dtype == "float64"):
@@ -237,8 +238,9 @@ def test_a_singularity_the_gradient_reaches_is_non_finite_in_every_mode():
     assert not np.isfinite(rev[0]) and np.isfinite(rev[1])
 
 
-@pytest.mark.parametrize("name", sorted(REPORTED))
-def test_reported_cases_agree_in_every_mode(name, maybe_jit):
+@pytest.mark.parametrize("name,mode", covering(sorted(REPORTED), MODES))  # every case, one mode by default
+def test_reported_cases_agree_in_every_mode(name, mode):
+    maybe_jit = in_mode(mode)
     f, x, want = REPORTED[name]
     x = jnp.asarray(x, jnp.float32)
     g = gk.override(f, TABLE)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import mpmath as mp
 import numpy as np
 import pytest
+from budget import MODES, covering, in_mode
 from hypothesis import given, settings
 from hypothesis import strategies as hst
 from jax.test_util import check_grads
@@ -335,8 +336,9 @@ def test_safe_arccos_edges():
 # --------------------------------------------------------------------------- reductions
 
 
-@pytest.mark.parametrize("axis,keepdims", [(None, False), (0, False), (1, True), ((0, 1), False)])
-def test_logsumexp_matches_jax_where_finite(axis, keepdims, maybe_jit):
+@pytest.mark.parametrize("axis_keepdims,mode", covering([(None, False), (0, False), (1, True), ((0, 1), False)], MODES))
+def test_logsumexp_matches_jax_where_finite(axis_keepdims, mode):
+    (axis, keepdims), maybe_jit = axis_keepdims, in_mode(mode)
     a = jax.random.normal(jax.random.key(0), (3, 4)) * 10
     b = jax.random.uniform(jax.random.key(1), (3, 4))
     f = maybe_jit(lambda a, b: st.logsumexp(a, axis=axis, b=b, keepdims=keepdims))
@@ -396,8 +398,7 @@ def test_safe_norm_vector_ords(ord):
     np.testing.assert_array_equal(np.asarray(jax.grad(st.safe_norm)(jnp.zeros(3), ord)), np.zeros(3))
 
 
-@pytest.mark.parametrize("ord", [None, "fro", "nuc", 1, 2, -1, np.inf])
-@pytest.mark.parametrize("min_norm", [0.0, 3.0])
+@pytest.mark.parametrize("ord,min_norm", covering([None, "fro", "nuc", 1, 2, -1, np.inf], [0.0, 3.0]))
 def test_safe_norm_matrix_jacfwd_at_zero(ord, min_norm):
     """optax's test: exact zeros of jacfwd at 0 for every ord."""
     z = jnp.zeros((3, 4))
@@ -574,10 +575,11 @@ def _hard_spots(name, dtype):
     return _neighbours(spots[name], dtype, 3 if dtype == np.float32 else 1)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
-@pytest.mark.parametrize("name", ["silu", "sigmoid", "log1pexp", "log_sigmoid", "log1mexp", "softplus_inverse",
-                                  "sinc"])
-def test_gradient_within_2_ulps_at_hard_spots(name, dtype, maybe_jit):
+@pytest.mark.parametrize("name,dtype,mode", covering(
+    ["silu", "sigmoid", "log1pexp", "log_sigmoid", "log1mexp", "softplus_inverse", "sinc"], [np.float32, np.float64],
+    MODES))
+def test_gradient_within_2_ulps_at_hard_spots(name, dtype, mode):
+    maybe_jit = in_mode(mode)
     fn, _, der, dom, _ = UNARY[name]
     with jax.enable_x64(dtype == np.float64):
         xs = _hard_spots(name, dtype)
@@ -720,9 +722,10 @@ def test_dense_float32_value_sweep(name):
 # --------------------------------------------------------------------------- modes, orders, jit
 
 
-@pytest.mark.parametrize("name", sorted(UNARY))
-def test_forward_and_reverse_mode_agree_bit_for_bit(name, maybe_jit):
+@pytest.mark.parametrize("name,mode", covering(sorted(UNARY), MODES))
+def test_forward_and_reverse_mode_agree_bit_for_bit(name, mode):
     """The jvp of the custom rule and its transpose compute the same product."""
+    maybe_jit = in_mode(mode)
     fn = UNARY[name][0]
     xs = np.asarray([x for x in EXTREMES if np.isfinite(x)] + [-1.2784645, 1.4302966, 0.6931472], np.float32)
     rev = np.asarray(maybe_jit(jax.vmap(jax.grad(fn)))(xs))
@@ -730,9 +733,10 @@ def test_forward_and_reverse_mode_agree_bit_for_bit(name, maybe_jit):
     np.testing.assert_array_equal(fwd, rev)
 
 
-@pytest.mark.parametrize("name", ["silu", "sigmoid", "log1pexp", "log_sigmoid", "log1mexp", "softplus_inverse",
-                                  "sinc", "log_cosh"])
-def test_hessian_matches_finite_differences_of_the_gradient(name, maybe_jit, x64):
+@pytest.mark.parametrize("name,mode", covering(["silu", "sigmoid", "log1pexp", "log_sigmoid", "log1mexp",
+                                                "softplus_inverse", "sinc", "log_cosh"], MODES))
+def test_hessian_matches_finite_differences_of_the_gradient(name, mode, x64):
+    maybe_jit = in_mode(mode)
     fn, _, _, dom, _ = UNARY[name]
     xs = [x for x in (-5.0, -1.2784645, -0.3, 0.4, 0.7, 1.4302966, 3.0, 12.0) if dom is None or dom(x)]
     h = 1e-6
