@@ -21,16 +21,14 @@ import jax
 from gradkit._src.compat.gform_scan import GPlan, Site
 from gradkit._src.compat.jaxprs import (
     bind,
-    cond_layout,
     eqn_name,
     is_custom_derivative,
     is_jit,
     is_literal,
     jaxpr_parts,
     read_atom,
-    scan_layout,
 )
-from gradkit._src.compat.layer_scan import is_varying
+from gradkit._src.compat.layer_scan import is_varying, run_scan, run_switch
 from gradkit._src.compat.source import call_site, source_line
 
 __all__ = ["GSite", "run_gradient_form"]
@@ -127,34 +125,11 @@ class _Runner:
         return list(jax.checkpoint(body, policy=policy, prevent_cse=prevent_cse)(*invals))
 
     def _cond(self, eqn: Any, invals: list[Any], flags: list[bool], gates: list[bool]) -> list[Any]:
-        def branch(closed: Any) -> Callable[..., list[Any]]:
-            jx, cs = jaxpr_parts(closed)
-            return lambda *ops: self.run(jx, cs, list(ops), flags[1:], gates[1:])[0]
-
-        return list(jax.lax.switch(invals[0], [branch(b) for b in cond_layout(eqn).branches], *invals[1:]))
+        return run_switch(eqn, invals, lambda jx, cs, ops: self.run(jx, cs, ops, flags[1:], gates[1:])[0])
 
     def _scan(self, eqn: Any, invals: list[Any], flags: list[bool], gates: list[bool]) -> list[Any]:
-        lay = scan_layout(eqn)
-        jx, cs = jaxpr_parts(lay.body)
-        nc, nk = lay.num_consts, lay.num_carry
-        carry_flags = list(flags[nc:nc + nk])
-        for _ in range(nk + 1):  # a carry that depends on the input in one iteration does in the next
-            body_flags = [*flags[:nc], *carry_flags, *flags[nc + nk:]]
-            new = [a or b for a, b in zip(carry_flags, _varying_outs(jx, body_flags)[:nk])]
-            if new == carry_flags:
-                break
-            carry_flags = new
-        body_flags = [*flags[:nc], *carry_flags, *flags[nc + nk:]]
-        body_gates = [*gates[:nc], *([False] * nk), *gates[nc + nk:]]
-        consts = invals[:nc]
-
-        def body(carry: list[Any], xs: list[Any]) -> tuple[list[Any], list[Any]]:
-            outs, _ = self.run(jx, cs, [*consts, *carry, *xs], body_flags, body_gates)
-            return outs[:nk], outs[nk:]
-
-        carry, ys = jax.lax.scan(body, list(invals[nc:nc + nk]), list(invals[nc + nk:]), length=lay.length,
-                                 reverse=lay.reverse, unroll=eqn.params.get("unroll", 1))
-        return [*carry, *ys]
+        return run_scan(eqn, invals, flags, _varying_outs,
+                        lambda jx, cs, ops, fl, gt: self.run(jx, cs, ops, fl, gt)[0], gates)
 
     def _site(self, plan: GPlan, site: Site, read: Callable[[Any], Any]) -> Any:
         eqns = [plan.eqns[j] for j in site.eqns]

@@ -16,14 +16,15 @@ module's doc for the kinds of layer; this one also finds:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gradkit._src.compat.jaxprs import JaxprEqn, eqn_name, is_literal
+from gradkit._src.compat.jaxprs import JaxprEqn, cond_layout, eqn_name, is_literal, jaxpr_parts, scan_layout
 
 __all__ = ["AFFINE", "LAYOUT", "Plan", "Unit", "literal_scalar"]
 
@@ -371,3 +372,46 @@ def _adds_unit_axes(eqn: JaxprEqn) -> bool:
     if eqn.primitive.name != "broadcast_in_dim" or len(eqn.invars) != 1:
         return False
     return int(np.prod(_shape(eqn.invars[0]))) == int(np.prod(_shape(eqn.outvars[0])))
+
+
+def run_switch(eqn: JaxprEqn, invals: list[Any], run: Callable[[Any, Any, list[Any]], list[Any]]) -> list[Any]:
+    """A ``cond`` equation rebuilt as ``lax.switch`` over its branches, each evaluated by ``run(jaxpr, consts,
+    operands)`` (a runner that replaces the branch's layers or sites)."""
+    def branch(closed: Any) -> Callable[..., list[Any]]:
+        jx, cs = jaxpr_parts(closed)
+        return lambda *ops: run(jx, cs, list(ops))
+
+    return list(jax.lax.switch(invals[0], [branch(b) for b in cond_layout(eqn).branches], *invals[1:]))
+
+
+def run_scan(eqn: JaxprEqn, invals: list[Any], flags: Sequence[bool],
+             varying_outs: Callable[[Any, Sequence[bool]], list[bool]],
+             run: Callable[..., list[Any]], *per_operand: Sequence[bool]) -> list[Any]:
+    """A ``scan`` equation rebuilt as ``lax.scan`` with its body evaluated by ``run(jaxpr, consts, operands,
+    body_flags, *per_operand)``.
+
+    ``flags`` says which operands depend on the input; a carry that depends on it in one iteration does in
+    the next (``varying_outs(body, flags)``, iterated to a fixed point). Each of ``per_operand`` (a flag per
+    operand, e.g. "non-negative") is passed on with the carries' entries False: unknown after one iteration.
+    """
+    lay = scan_layout(eqn)
+    jx, cs = jaxpr_parts(lay.body)
+    nc, nk = lay.num_consts, lay.num_carry
+    carry_flags = list(flags[nc:nc + nk])
+    body_flags = [*flags[:nc], *carry_flags, *flags[nc + nk:]]
+    for _ in range(nk + 1):
+        new = [a or b for a, b in zip(carry_flags, varying_outs(jx, body_flags)[:nk])]
+        if new == carry_flags:
+            break
+        carry_flags = new
+        body_flags = [*flags[:nc], *carry_flags, *flags[nc + nk:]]
+    masked = [[*o[:nc], *([False] * nk), *o[nc + nk:]] for o in per_operand]
+    consts = invals[:nc]
+
+    def body(carry: list[Any], xs: list[Any]) -> tuple[list[Any], list[Any]]:
+        outs = run(jx, cs, [*consts, *carry, *xs], body_flags, *masked)
+        return outs[:nk], outs[nk:]
+
+    carry, ys = jax.lax.scan(body, list(invals[nc:nc + nk]), list(invals[nc + nk:]), length=lay.length,
+                             reverse=lay.reverse, unroll=eqn.params.get("unroll", 1))
+    return [*carry, *ys]

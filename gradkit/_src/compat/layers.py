@@ -39,13 +39,11 @@ from gradkit._src.compat.jaxprs import (
     JaxprEqn,
     Tracer,
     bind,
-    cond_layout,
     eqn_name,
     is_jit,
     is_literal,
     jaxpr_parts,
     read_atom,
-    scan_layout,
 )
 from gradkit._src.compat.layer_scan import (
     ACTIVATION_FUNCTIONS,
@@ -55,6 +53,8 @@ from gradkit._src.compat.layer_scan import (
     is_float,
     is_varying,
     literal_scalar,
+    run_scan,
+    run_switch,
 )
 from gradkit._src.compat.source import call_site, source_line
 from gradkit._src.errors import GradkitError
@@ -226,33 +226,10 @@ class _Runner:
         self.unruled.append((name, source_line(eqn), hint))
 
     def _cond(self, eqn: JaxprEqn, invals: list[Any], flags: list[bool], nn: list[bool]) -> list[Any]:
-        def branch(closed: Any) -> Callable[..., list[Any]]:
-            jx, cs = jaxpr_parts(closed)
-            return lambda *ops: self.run(jx, cs, list(ops), flags[1:], nn[1:])
-
-        return list(jax.lax.switch(invals[0], [branch(b) for b in cond_layout(eqn).branches], *invals[1:]))
+        return run_switch(eqn, invals, lambda jx, cs, ops: self.run(jx, cs, ops, flags[1:], nn[1:]))
 
     def _scan(self, eqn: JaxprEqn, invals: list[Any], flags: list[bool], nn: list[bool]) -> list[Any]:
-        lay = scan_layout(eqn)
-        jx, cs = jaxpr_parts(lay.body)
-        nc, nk = lay.num_consts, lay.num_carry
-        carry_flags = list(flags[nc:nc + nk])
-        for _ in range(nk + 1):  # a carry that depends on the input in one iteration does in the next
-            body_flags = [*flags[:nc], *carry_flags, *flags[nc + nk:]]
-            new = [a or b for a, b in zip(carry_flags, _varying_outs(jx, body_flags)[:nk])]
-            if new == carry_flags:
-                break
-            carry_flags = new
-        body_nn = [*nn[:nc], *([False] * nk), *nn[nc + nk:]]
-        consts = invals[:nc]
-
-        def body(carry: list[Any], xs: list[Any]) -> tuple[list[Any], list[Any]]:
-            outs = self.run(jx, cs, [*consts, *carry, *xs], body_flags, body_nn)
-            return outs[:nk], outs[nk:]
-
-        carry, ys = jax.lax.scan(body, list(invals[nc:nc + nk]), list(invals[nc + nk:]), length=lay.length,
-                                 reverse=lay.reverse, unroll=eqn.params.get("unroll", 1))
-        return [*carry, *ys]
+        return run_scan(eqn, invals, flags, _varying_outs, self.run, nn)
 
     def _layer(self, kind: str, eqn: JaxprEqn, params: tuple[Any, ...], apply: Callable[..., Any],
                nonneg: bool) -> Layer:
