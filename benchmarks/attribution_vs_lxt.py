@@ -60,10 +60,8 @@ Prints Markdown tables and writes JSON to ``--out`` (default
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -477,14 +475,8 @@ def perf(repeats: int) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------------------
 
 def environment() -> dict[str, Any]:
-    def version(dist: str) -> str | None:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    return {"python": platform.python_version(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-            **{d: version(d) for d in ("jax", "jaxlib", "torch", "torchvision", "transformers", "lxt")}}
+    from common import environment as versions
+    return versions("jax", "jaxlib", "torch", "torchvision", "transformers", "lxt")
 
 
 def markdown(rows: list[dict[str, Any]], perf_result: dict[str, Any] | None) -> str:

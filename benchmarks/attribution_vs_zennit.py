@@ -45,9 +45,7 @@ callable, and the reference callables that compute the same heatmap.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import os
-import platform
 import statistics
 import sys
 import warnings
@@ -63,6 +61,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from common import environment as versions
 from common import samples, write_json
 
 import gradkit as gk
@@ -459,21 +458,9 @@ def timing(p: Problem, repeats: int, inner: int, threads: int) -> dict[str, Any]
 # Report.
 # --------------------------------------------------------------------------------------------------------------
 
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def environment() -> dict[str, Any]:
     """Versions, threads and machine, for the JSON and the table's caption."""
-    return {
-        "python": platform.python_version(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores ({platform.processor() or 'cpu'})",
-        "jax_backend": jax.default_backend(),
-        **{dist: _version(dist) for dist in ("jax", "jaxlib", "flax", "torch", "zennit", "captum", "gradkit")},
-    }
+    return versions("jax", "jaxlib", "flax", "torch", "zennit", "captum", "gradkit")
 
 
 def markdown(rows: list[dict[str, Any]], timings: list[dict[str, Any]], env: dict[str, Any]) -> str:

@@ -55,10 +55,8 @@ Zennit's relevances (with ``ResNetCanonizer``) for three composites, which
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import inspect
 import os
-import platform
 import statistics
 import sys
 import warnings
@@ -79,6 +77,7 @@ from torchvision.models.resnet import BasicBlock
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import resnet_twins as twins
+from common import environment as versions
 from common import samples, write_json
 
 import gradkit as gk
@@ -314,15 +313,7 @@ def make_reference(path: str, seed: int = 0) -> None:
 # --------------------------------------------------------------------------------------------------------------
 
 def environment() -> dict[str, Any]:
-    def version(dist: str) -> str | None:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    return {"python": platform.python_version(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-            "jax_backend": jax.default_backend(),
-            **{d: version(d) for d in ("jax", "jaxlib", "flax", "equinox", "torch", "torchvision", "zennit")}}
+    return versions("jax", "jaxlib", "flax", "equinox", "torch", "torchvision", "zennit")
 
 
 def markdown(rows: list[dict[str, Any]], sums: list[dict[str, Any]], timings: list[dict[str, Any]],

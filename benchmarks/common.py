@@ -100,3 +100,20 @@ def write_json(path: str, result: dict[str, Any]) -> int:
         json.dump(result, f, indent=2)
     print(f"\nwrote {path}")
     return 0
+
+
+def environment(*dists: str) -> dict[str, Any]:
+    """Python, the machine, JAX's backend and the installed version of each distribution in ``dists`` (None
+    where one is not installed), for a reference comparison's JSON and its table's caption."""
+    import importlib.metadata
+    import platform
+
+    def version(dist: str) -> str | None:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    return {"python": platform.python_version(),
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores ({platform.processor() or 'cpu'})",
+            "jax_backend": jax.default_backend(), **{d: version(d) for d in dists}}
