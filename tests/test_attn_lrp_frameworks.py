@@ -229,3 +229,64 @@ def test_the_norms_pass_relevance_by_the_identity_rule() -> None:
         y = f(x)[-1]
         bias = biases.get(name, jnp.zeros((D,)))
         np.testing.assert_allclose(float(r.sum()), float(y[3] - bias[3]), rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# A Flax NNX model with NNX's own transforms inside (nnx.vmap-made blocks, nnx.scan over them): passed as the
+# module itself, its state enters the trace as an argument (as nnx.jit does), so Flax runs the transforms.
+# --------------------------------------------------------------------------------------------------------------
+
+class _Block(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.up = nnx.Linear(D, 2 * D, rngs=rngs)
+        self.gate = nnx.Linear(D, 2 * D, rngs=rngs)
+        self.down = nnx.Linear(2 * D, D, rngs=rngs)
+
+    def __call__(self, h: jax.Array) -> jax.Array:
+        return h + self.down(jax.nn.silu(self.gate(h)) * self.up(h))
+
+
+class _ScannedNet(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(r: nnx.Rngs) -> _Block:
+            return _Block(r)
+
+        self.blocks = make(rngs)
+        self.head = nnx.Linear(D, 6, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def body(h: jax.Array, blk: _Block) -> jax.Array:
+            return blk(h)
+
+        return self.head(body(x, self.blocks))
+
+
+def _scanned_by_hand(params: Any) -> Any:
+    """The same network as a plain function of its parameters: lax.scan over the stacked block weights."""
+    def dense(p: Any, h: jax.Array) -> jax.Array:
+        return h @ p["kernel"] + p["bias"]
+
+    def body(h: jax.Array, b: Any) -> tuple[jax.Array, None]:
+        return h + dense(b["down"], jax.nn.silu(dense(b["gate"], h)) * dense(b["up"], h)), None
+
+    return lambda x: dense(params["head"], jax.lax.scan(body, x, params["blocks"])[0])
+
+
+@pytest.mark.parametrize("name", ["attn", "cp"])
+def test_an_nnx_module_with_nnx_scan_is_explained_as_itself(name: str) -> None:
+    net = _ScannedNet(nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (3, D))
+    plain = _scanned_by_hand(nnx.to_pure_dict(nnx.state(net)))
+    np.testing.assert_allclose(net(x), plain(x), rtol=1e-5, atol=1e-6)
+    composite = gk.attribution.ATTN_LRP if name == "attn" else gk.attribution.CP_LRP
+    got = jax.jit(lambda v: gk.attribution.lrp(net, v, composite))(x)
+    np.testing.assert_allclose(got, gk.attribution.lrp(plain, x, composite), rtol=1e-5, atol=1e-6)
+    # the relevance form and the gradient methods take the module too
+    np.testing.assert_allclose(gk.attribution.gradient(net, x), gk.attribution.gradient(plain, x), rtol=1e-5,
+                               atol=1e-6)
+    with pytest.raises(gk.GradkitError, match=r"Pass the module itself"):
+        gk.attribution.lrp(lambda v: net(v), x, composite)
+    assert float(jnp.max(jnp.abs(got - gk.attribution.gradient_x_input(plain, x)))) > 1e-3  # the rules bite

@@ -19,7 +19,9 @@ gradient. Everything runs under ``jit`` and ``vmap``.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -81,16 +83,61 @@ def _cotangent(method: str, out: jax.Array, target: ArrayLike | None) -> jax.Arr
         f"{shape[:-1]}), or an output cotangent (floats of shape {shape}); got {t.dtype}{list(t.shape)}.")
 
 
-def _attribute(method: str, fn: Callable[[jax.Array], jax.Array], x: ArrayLike, target: ArrayLike | None,
-               table: RuleTable | None) -> jax.Array:
+def as_function(method: str, fn: Any, x: Any) -> Callable[[Any], Any]:
+    """``fn`` as a function of ``x`` that any JAX trace can run.
+
+    A Flax NNX module (``model(x)``) is split into its graph and state, and
+    traced once at ``x`` with its state as an argument of the trace, as
+    ``nnx.jit`` does: NNX's own transforms inside it (``nnx.scan`` over a
+    stack of layers, ``nnx.vmap``, ``nnx.remat``) then run, where a plain JAX
+    trace of a function closing over the module is refused by Flax ("Cannot
+    extract graph node from different trace level"). Anything else callable
+    is returned as it is.
+    """
     if not callable(fn):
         raise GradkitError(f"attribution.{method}: expected the model as a function of x, got "
                            f"{type(fn).__name__}; write e.g. lambda x: model.apply(params, x).")
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None or not nnx.graph.is_graph_node(fn):
+        return fn
+    graphdef, state = nnx.split(fn)
+    leaves, tree = jax.tree_util.tree_flatten(state)
+    closed, shape = jax.make_jaxpr(
+        lambda ls, v: nnx.merge(graphdef, jax.tree_util.tree_unflatten(tree, ls))(v), return_shape=True)(leaves, x)
+    out_tree = jax.tree_util.tree_structure(shape)
+
+    def pure(v: Any) -> Any:
+        outs = compat.eval_jaxpr(closed, [*leaves, *jax.tree_util.tree_leaves(v)])
+        return jax.tree_util.tree_unflatten(out_tree, outs)
+
+    return pure
+
+
+def nnx_trace_hint(method: str, e: BaseException) -> GradkitError | None:
+    """A ``[gradkit]`` error for Flax's refusal to run an NNX transform over a module the function closes over."""
+    if not isinstance(e, ValueError) or "different trace level" not in str(e):
+        return None
+    return GradkitError(
+        f"attribution.{method}: the model closes over a Flax NNX module whose NNX transform (nnx.scan, nnx.vmap, "
+        f"...) Flax runs only when the module enters the trace as an argument. Pass the module itself as the "
+        f"model (gk.attribution.{method}(model, x, ...)); to explain a slice of its output (the last position's "
+        f"logits), wrap it in a small nnx.Module whose __call__ returns that slice. ({e})".split("\n")[0])
+
+
+def _attribute(method: str, fn: Callable[[jax.Array], jax.Array], x: ArrayLike, target: ArrayLike | None,
+               table: RuleTable | None) -> jax.Array:
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.inexact):
         raise GradkitError(f"attribution.{method}: x must be floating point to be differentiated, got {x.dtype}.")
+    fn = as_function(method, fn, x)
     model = fn if table is None else override(fn, table)
-    out, pullback = jax.vjp(model, x)
+    try:
+        out, pullback = jax.vjp(model, x)
+    except ValueError as e:
+        hint = nnx_trace_hint(method, e)
+        if hint is None:
+            raise
+        raise hint from e
     if not isinstance(out, jax.Array):
         raise GradkitError(f"attribution.{method}: the model must return one array (its outputs, e.g. logits), "
                            f"got {type(out).__name__}.")

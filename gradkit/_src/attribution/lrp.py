@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from gradkit._src import compat
 from gradkit._src.attribution import attn_lrp
 from gradkit._src.attribution import lrp_rules as rules
-from gradkit._src.attribution.attribution import _cotangent
+from gradkit._src.attribution.attribution import _cotangent, as_function, nnx_trace_hint
 from gradkit._src.attribution.lrp_rules import LrpRule
 from gradkit._src.checks.describe import short_path
 from gradkit._src.errors import GradkitError, GradkitWarning
@@ -385,7 +385,19 @@ def lrp(fn: Callable[[jax.Array], jax.Array], x: Any, composite: Mapping[str, Lr
         raise GradkitError(f"attribution.lrp: composite must map layer kinds to rules (e.g. "
                            f"gk.attribution.EPSILON_PLUS), got {type(composite).__name__}.")
     composite = composite if isinstance(composite, Composite) else Composite(composite)
+    try:
+        return _lrp(fn, x, composite, target, bool(canonize), bool(strict), bool(check))
+    except ValueError as e:
+        hint = nnx_trace_hint("lrp", e)
+        if hint is None:
+            raise
+        raise hint from e
+
+
+def _lrp(fn: Callable[[jax.Array], jax.Array], x: Any, composite: Composite, target: Any, canonize: bool,
+         strict: bool, check: bool) -> Any:
     if composite.form == "gradient":
+        fn = as_function("lrp", fn, x)
         r, out, cot = attn_lrp.run_gradient_form(fn, x, composite, target, _nan_outside, bool(strict))
         if not check:
             return r
@@ -397,6 +409,7 @@ def lrp(fn: Callable[[jax.Array], jax.Array], x: Any, composite: Mapping[str, Lr
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.inexact):
         raise GradkitError(f"attribution.lrp: x must be floating point to be differentiated, got {x.dtype}.")
+    fn = as_function("lrp", fn, x)
     unruled: list[tuple[str, str, str]] = []
 
     def model(v: jax.Array) -> Any:
