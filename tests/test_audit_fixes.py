@@ -519,7 +519,7 @@ def test_a_large_input_is_checked_along_random_directions():
 
 
 @pytest.mark.slow
-def test_audit_of_a_1m_parameter_model_stays_under_1gb_above_the_model():
+def test_audit_of_a_1m_parameter_model_stays_under_2gb_above_the_model():
     script = """
 import resource, jax, jax.numpy as jnp, numpy as np, gradkit as gk
 rng = np.random.RandomState(0)
@@ -540,4 +540,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024 - base)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     above = int(out.stdout.strip().splitlines()[-1])
-    assert above < 1024, f"peak {above} MB above the model (was about 14,300 MB before batching)"
+    # The peak RSS holds XLA's compile-time memory too, which varies with the machine's load: 241-458 MB on a
+    # quiet 2-core machine, 410-587 MB with three audits at once, 1,121 MB in CI's slow run beside a busy
+    # worker. The bound guards the batching: without it the audit held about 14,300 MB.
+    assert above < 2048, f"peak {above} MB above the model (was about 14,300 MB before batching)"
