@@ -373,3 +373,26 @@ def test_an_op_inside_library_code_is_reported_at_the_users_call(fn, op, mode):
         msg = str(info.value)
         assert msg.startswith("[gradkit]") and "too_many" in msg and f"op '{op}'" in msg, msg
         assert f"{__file__}:{_library_line(fn)} ({(_softplus if fn is _nested else fn).__name__})" in msg, msg
+
+
+_ELSEWHERE = {_softplus: jax.nn.softplus, _silu: jax.nn.silu, _norm: jnp.linalg.norm,
+              _log_softmax: jax.nn.log_softmax, _nested: jax.nn.softplus}
+
+
+def _first_caller(library_fn, x):
+    return jax.make_jaxpr(lambda v: library_fn(v))(x)  # traces (and caches) the library's jitted body first
+
+
+@pytest.mark.parametrize("fn,op", LIBRARY_CASES, ids=[c[0].__name__ for c in LIBRARY_CASES])
+def test_the_users_line_is_the_current_call_when_the_library_body_was_traced_elsewhere_first(fn, op):
+    # JAX caches a jitted library function's body; on JAX 0.8 its equations keep the frames of their first
+    # trace, so their user frame was another function's call (this file's _first_caller) until gradkit took
+    # the line of the call being rewritten
+    x = jnp.array([0.5, -1.0, 2.0])
+    _first_caller(_ELSEWHERE[fn], x)
+    bad = gk.vjp_rule(lambda o, g: (g,) * (len(o.inputs) + 1), name="too_many")
+    with pytest.raises(gk.GradkitError) as info:
+        jax.grad(gk.override(fn, {op: bad}))(x)
+    msg = str(info.value)
+    assert f"{__file__}:{_library_line(fn)} ({(_softplus if fn is _nested else fn).__name__})" in msg, msg
+    assert "_first_caller" not in msg, msg

@@ -73,6 +73,32 @@ def call_site(eqn: JaxprEqn) -> Iterator[None]:
         _CALL_SITES.reset(token)
 
 
+def _user_frame(eqn: JaxprEqn, sites: tuple[JaxprEqn, ...]) -> Any:
+    """The user frame of ``eqn``, inside the bodies of the call equations ``sites`` (outermost first).
+
+    A jitted library function's body is traced once and cached: on JAX 0.8 its
+    equations keep the frames of that first trace, so their user frame is
+    the line that first called the function, maybe another function's. When
+    the user frame is a call of one of the enclosing ``sites`` (the library
+    function it calls is the site's), the site's own frame, from the current
+    trace, is the user's line.
+    """
+    frame = _siu.user_frame(eqn.source_info.traceback)
+    if frame is not None:
+        if sites:
+            callee = library_callee(eqn)
+            name = callee[1].rsplit(".", 1)[-1] if callee is not None else None
+            for k in range(len(sites) - 1, -1, -1):
+                if name is not None and sites[k].params.get("name") == name:
+                    return _user_frame(sites[k], sites[:k])
+        return frame
+    for caller in reversed(sites):
+        frame = _siu.user_frame(caller.source_info.traceback)
+        if frame is not None:
+            return frame
+    return None
+
+
 def source_line(eqn: JaxprEqn | None) -> str:
     """``file:line (function)`` of the user code that created ``eqn``.
 
@@ -82,11 +108,7 @@ def source_line(eqn: JaxprEqn | None) -> str:
     """
     if eqn is None:
         return "unknown source line"
-    frame = _siu.user_frame(eqn.source_info.traceback)
-    for caller in reversed(_CALL_SITES.get() if frame is None else ()):
-        frame = _siu.user_frame(caller.source_info.traceback)
-        if frame is not None:
-            break
+    frame = _user_frame(eqn, _CALL_SITES.get())
     if frame is None:
         return "unknown source line"
     return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
