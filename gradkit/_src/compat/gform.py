@@ -28,7 +28,7 @@ from gradkit._src.compat.jaxprs import (
     jaxpr_parts,
     read_atom,
 )
-from gradkit._src.compat.layer_scan import is_varying, run_scan, run_switch
+from gradkit._src.compat.layer_scan import is_varying, region_apply, run_scan, run_switch
 from gradkit._src.compat.source import call_site, source_line
 
 __all__ = ["GSite", "run_gradient_form"]
@@ -137,19 +137,10 @@ class _Runner:
         self.kinds[site.kind] = self.kinds.get(site.kind, 0) + 1
         if site.kind == "activation":
             (x_var,) = site.inputs
-            defined = {v for e in eqns for v in e.outvars}
-            consts = {a: read(a) for e in eqns for a in e.invars if not is_literal(a) and a not in defined}
-
-            def apply(xv: Any) -> Any:
-                local = dict(consts)
-                local[x_var] = xv
-                for e in eqns:
-                    local.update(zip(e.outvars, bind(e, [read_atom(local, a) for a in e.invars])))
-                return local[last.outvars[0]]
-
+            apply = region_apply(eqns, x_var, read)
             g = GSite("activation", site.name, self.count, apply, source_line(eqns[0]))
             self.count += 1
-            return self.handle(g, [consts[x_var]])
+            return self.handle(g, [read(x_var)])
 
         def apply2(*ops: Any) -> Any:
             return bind(last, list(ops))[0]

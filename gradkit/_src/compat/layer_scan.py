@@ -24,7 +24,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gradkit._src.compat.jaxprs import JaxprEqn, cond_layout, eqn_name, is_literal, jaxpr_parts, scan_layout
+from gradkit._src.compat.jaxprs import (
+    JaxprEqn,
+    bind,
+    cond_layout,
+    eqn_name,
+    is_literal,
+    jaxpr_parts,
+    read_atom,
+    scan_layout,
+)
 
 __all__ = ["AFFINE", "LAYOUT", "Plan", "Unit", "literal_scalar"]
 
@@ -415,3 +424,19 @@ def run_scan(eqn: JaxprEqn, invals: list[Any], flags: Sequence[bool],
     carry, ys = jax.lax.scan(body, list(invals[nc:nc + nk]), list(invals[nc + nk:]), length=lay.length,
                              reverse=lay.reverse, unroll=eqn.params.get("unroll", 1))
     return [*carry, *ys]
+
+
+def region_apply(eqns: Sequence[JaxprEqn], x_var: Any, read: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """The run of equations ``eqns`` (an inlined activation) as a function of its one varying input ``x_var``;
+    its other operands are read now, with ``read``."""
+    defined = {v for e in eqns for v in e.outvars}
+    consts = {a: read(a) for e in eqns for a in e.invars if not is_literal(a) and a not in defined}
+
+    def apply(xv: Any) -> Any:
+        local = dict(consts)
+        local[x_var] = xv
+        for e in eqns:
+            local.update(zip(e.outvars, bind(e, [read_atom(local, a) for a in e.invars])))
+        return local[eqns[-1].outvars[0]]
+
+    return apply

@@ -53,6 +53,7 @@ from gradkit._src.compat.layer_scan import (
     is_float,
     is_varying,
     literal_scalar,
+    region_apply,
     run_scan,
     run_switch,
 )
@@ -348,20 +349,12 @@ class _Runner:
     def _region(self, prog: Plan, last: int, read: Callable[[Any], Any], pos: set[Any]) -> Any:
         first, x_var, name = prog.regions[last]
         eqns = prog.eqns[first:last + 1]
-        defined = {v for e in eqns for v in e.outvars}
-        consts = {a: read(a) for e in eqns for a in e.invars if not is_literal(a) and a not in defined}
-
-        def apply(xv: Any) -> Any:
-            local = dict(consts)
-            local[x_var] = xv
-            for e in eqns:
-                local.update(zip(e.outvars, bind(e, [read_atom(local, a) for a in e.invars])))
-            return local[eqns[-1].outvars[0]]
+        apply = region_apply(eqns, x_var, read)
 
         layer = Layer(kind="activation", name="fn:" + name, index=self.count, params=(), apply=apply,
                       source=source_line(eqns[0]), nonnegative_input=x_var in pos)
         self.count += 1
-        return self.handle(layer, consts[x_var])
+        return self.handle(layer, read(x_var))
 
     def _activation(self, eqn: JaxprEqn, k: int, invals: list[Any], nonneg: bool) -> Any:
         consts = list(invals)
