@@ -194,6 +194,14 @@ def _report_opaque(opaque: list[tuple[str, str]], strict: bool) -> None:
     warnings.warn(f"[gradkit] {msg} Pass strict=True to make this an error.", GradkitWarning, stacklevel=4)
 
 
+def one_output(outs: list[Any], tree: Any) -> Any:
+    """The model's one output array (its logits); any other structure is a ``[gradkit]`` error."""
+    if tree.num_leaves != 1 or tree.num_nodes != 1:
+        raise GradkitError(f"attribution.lrp: the model must return one array (its outputs, e.g. logits), "
+                           f"got a structure {tree}.")
+    return outs[0]
+
+
 def run_gradient_form(fn: Callable[[Any], Any], x: Any, composite: Mapping[str, LrpRule],
                       target: Any, nan_outside: Callable[[Any, Any, Any], Any],
                       strict: bool = False) -> tuple[Any, Any, Any]:
@@ -222,10 +230,7 @@ def run_gradient_form(fn: Callable[[Any], Any], x: Any, composite: Mapping[str, 
 
     def model(v: Any) -> Any:
         outs, tree, _ = compat.run_gradient_form(fn, v, handle, opaque)
-        if tree.num_leaves != 1 or tree.num_nodes != 1:
-            raise GradkitError(f"attribution.lrp: the model must return one array (its outputs, e.g. logits), "
-                               f"got a structure {tree}.")
-        return outs[0]
+        return one_output(outs, tree)
 
     out, pullback = jax.vjp(model, x)
     if opaque:

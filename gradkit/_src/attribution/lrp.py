@@ -419,10 +419,7 @@ def _lrp(fn: Callable[[jax.Array], jax.Array], x: Any, composite: Composite, tar
             return _apply(_rule_for(composite, layer, seen), layer, xin)
 
         outs, tree = compat.run_layers(fn, v, handle, canonize=bool(canonize), unruled=unruled)
-        if tree.num_leaves != 1 or tree.num_nodes != 1:
-            raise GradkitError(f"attribution.lrp: the model must return one array (its outputs, e.g. logits), "
-                               f"got a structure {tree}.")
-        return outs[0]
+        return attn_lrp.one_output(outs, tree)
 
     out, pullback = jax.vjp(model, x)
     if unruled:
