@@ -262,3 +262,10 @@ def test_an_opaque_custom_vjp_on_the_path_is_named() -> None:
     np.testing.assert_allclose(np.asarray(r), [2 * 1.5 * 1.5, 0.0])  # its own gradient × input
     with pytest.raises(gk.GradkitError, match=r"strict=True makes this an error"):
         gk.attribution.lrp(fn, x, ATTN_LRP, strict=True)
+
+
+@pytest.mark.parametrize("composite", ["ATTN_LRP", "EPSILON_PLUS"])
+def test_a_model_returning_a_structure_is_an_error_in_both_forms(composite):
+    w = jnp.eye(3)
+    with pytest.raises(gk.GradkitError, match="must return one array"):
+        gk.attribution.lrp(lambda v: (v @ w, v @ w), jnp.ones((2, 3)), getattr(gk.attribution, composite))
