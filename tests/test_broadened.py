@@ -206,6 +206,7 @@ def test_check_grads_to_second_order_on_a_separated_spectrum():
     assert report.passed, str(report)
 
 
+@pytest.mark.slow  # 5 s on 2 cores; the default set checks order 2 against finite differences (above)
 def test_second_order_on_separated_spectra_equals_jax(x64):
     """Hessians, reverse over reverse too: the rule differentiated again (its diagonal 1/(w_i - w_i) underived)."""
     rng = np.random.default_rng(13)

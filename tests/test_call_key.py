@@ -224,7 +224,9 @@ def test_agrees_with_jit_on_any_call_sequence_long(kind, jit_outer, calls):
     check_sequence(MAKERS[kind], calls, jit_outer)
 
 
-@pytest.mark.parametrize("kind", list(MAKERS))
+# the default set threads one kind (each kind's call sequences run above); the slow set all three
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=[pytest.mark.slow] if k != "override" else [])
+                                  for k in MAKERS])
 def test_agrees_with_jit_from_threads(kind):
     calls = [((), "float32", False, "none", "tuple", 1.0), ((4,), "float32", False, "none", "tuple", 1.0),
              ((), "float32", True, "none", "tuple", 1.0), ((4,), "float16", False, "auto", "dict", -0.0),

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import gradkit as gk
+from budget import covering
 
 optax = pytest.importorskip("optax")
 
@@ -74,10 +75,9 @@ def trajectories(loss, opt, mode, n, steps=5):
     return out
 
 
-@pytest.mark.parametrize("mode", ["raise", "report"])
-@pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
-@pytest.mark.parametrize("loss", [mlp_loss, decayed_loss], ids=["mlp", "decayed"])
-@pytest.mark.parametrize("n", [8, 64])
+# a covering half in the default set (every value of every axis), all 24 in the slow set
+@pytest.mark.parametrize("n,loss,opt,mode", covering([8, 64], [mlp_loss, decayed_loss], sorted(OPTIMIZERS),
+                                                     ["raise", "report"]))
 def test_fused_update_is_bit_for_bit_the_unguarded_step(loss, opt, mode, n):
     guarded, plain = trajectories(loss, OPTIMIZERS[opt](), mode, n)
     for step, (a, b) in enumerate(zip(guarded, plain)):
