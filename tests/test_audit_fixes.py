@@ -395,6 +395,7 @@ def test_first_suggestion_applied_as_reported_fixes_the_gradient(case):
     assert "forward value unchanged" in fix.verdict() or "no farther from the float64 value" in fix.verdict()
 
 
+@pytest.mark.slow  # audits every case (the default set audits half of them, above)
 def test_the_cases_cover_the_reported_families():
     fixes = {c.name: _report(c).findings[0].fix for c in CASES}
     assert len(CASES) >= 15
