@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hst
 
 import gradkit as gk
+from budget import covering
 from gradkit import tables
 from gradkit._src.rules import broadened as broadened_rules
 
@@ -396,8 +397,8 @@ SVD_DEGENERATE = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(SVD_DEGENERATE))
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+# a covering half in the default set (each case, each dtype), all in the slow set
+@pytest.mark.parametrize("name,dtype", covering(sorted(SVD_DEGENERATE), [np.float32, np.float64]))
 def test_svd_polar_factor_at_repeated_singular_values(name, dtype):
     rng = np.random.default_rng(9)
     a64, m64 = SVD_DEGENERATE[name](rng), rng.standard_normal((4, 4))

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import gradkit as gk
+from budget import covering
 
 A = gk.attribution
 RNG = np.random.default_rng(0)
@@ -248,7 +249,8 @@ def test_eager_is_jit(x64):
     close(A.lrp(mlp, x, comp, target=1), jax.jit(lambda v: A.lrp(mlp, v, comp, target=1))(x), 1e-12)
 
 
-@pytest.mark.parametrize("rule", sorted(RULES))
+# every rule on the MLP (below) in the default set, half of them on the CNN; the slow set runs all on both
+@pytest.mark.parametrize("rule", covering(sorted(RULES)))
 def test_each_rule_is_its_formula_on_a_cnn(rule, x64):
     ours, ref = RULES[rule]
     comp = A.EPSILON_PLUS | {"conv": ours(), "dense": ours()}

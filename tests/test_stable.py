@@ -142,7 +142,8 @@ def test_unary_property_extreme_inputs(name, x):
     _check_point(name, x)
 
 
-@pytest.mark.parametrize("name", sorted(UNARY))
+# mode agreement: half the functions in the default set (each is checked for accuracy above), all in the slow set
+@pytest.mark.parametrize("name", covering(sorted(UNARY)))
 def test_unary_jit_and_vmap_agree_with_eager(name):
     """Within 1 ULP: XLA:CPU fuses a*b + c into a fused multiply-add in some programs and not in
     others (jax 0.8's tanh kernel differs in the last bit between a scalar and a vector call)."""
@@ -184,7 +185,8 @@ def test_unary_values_and_gradients_at_branch_points(name):
         _check_point(name, -x if name == "sinc" else x, np.float32)
 
 
-@pytest.mark.parametrize("name", sorted(UNARY))
+# the other half of the functions in the default set than the test above; all in the slow set
+@pytest.mark.parametrize("name", covering(sorted(UNARY)[1:] + sorted(UNARY)[:1]))
 def test_value_and_grad_under_jit_match_separate_calls(name):
     """The value and derivative share subexpressions (one exp); computed together they agree with each alone."""
     fn = UNARY[name][0]
@@ -822,8 +824,8 @@ def test_kernels_match_across_fusions():
         np.testing.assert_array_equal(twice, alone, err_msg=name)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
-@pytest.mark.parametrize("name", sorted(UNARY))
+# a covering half in the default set (each function, each dtype), all in the slow set
+@pytest.mark.parametrize("name,dtype", covering(sorted(UNARY), [np.float32, np.float64]))
 def test_gradient_compiles_to_one_loop(name, dtype):
     """The compiled gradient is one XLA loop fusion. An expensive operation used twice (a division, an
     exp) is computed once, in a fusion of its own, and everything it shares with the rest is then
