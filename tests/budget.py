@@ -3,6 +3,9 @@
 ``covering(*axes)`` gives one ``pytest.param`` per combination of the axes' values; a combination whose
 indices sum to an odd number is marked ``slow``. With two or more values on each axis, every value of every
 axis, and every pair of values of any two axes with a third to balance them, stays in the default set.
+With one axis, every second value does (for a property each value also meets in another default test).
+A test that takes the ``maybe_jit`` fixture (conftest.py) runs one of its two modes in the default set, the
+modes alternating from case to case in each file, and the other in the slow set.
 """
 
 import itertools
