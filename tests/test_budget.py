@@ -34,10 +34,14 @@ def test_covering_keeps_every_value_of_every_axis_in_the_default_set(sizes):
 
 
 class _Item:
-    def __init__(self, nodeid, indices):
+    def __init__(self, nodeid, indices, both=False):
         self.nodeid = nodeid
         self.callspec = types.SimpleNamespace(params=dict(indices), indices=dict(indices))
         self.marks = []
+        self.both = both
+
+    def get_closest_marker(self, name):
+        return name == "both_modes" and self.both or None
 
     def add_marker(self, mark):
         self.marks.append(mark.name)
@@ -54,13 +58,14 @@ def _items():
                     items.append(_Item(f"{path}::{name}[{'-'.join(map(str, ix.values()))}]", ix))
     plain = _Item("tests/test_a.py::t4", {})
     plain.callspec = None
-    return items, plain
+    both = [_Item(f"tests/test_b.py::t5[{mode}]", {"maybe_jit": mode}, both=True) for mode in (0, 1)]
+    return items, plain, both
 
 
 def test_each_case_runs_one_mode_by_default_and_the_other_in_the_slow_set():
-    items, plain = _items()
-    conftest.pytest_collection_modifyitems(None, items + [plain])
-    assert plain.marks == []
+    items, plain, both = _items()
+    conftest.pytest_collection_modifyitems(None, items + [plain] + both)
+    assert plain.marks == [] and [it.marks for it in both] == [[], []]  # both_modes: both in the default set
     cases = {}
     for it in items:
         key = (it.nodeid.split("[")[0], it.callspec.indices.get("x"))
