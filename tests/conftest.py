@@ -67,7 +67,7 @@ def pytest_collection_modifyitems(config, items):
     case is marked ``slow`` (CI runs it). An eager case compiles every operation on its own and costs
     about twice its jitted twin: the pairs were 9% of the default set's time.
     ``@pytest.mark.both_modes`` keeps both in the default set where the two modes run different gradkit
-    code (a guard raises from Python eagerly, from its host callback under jit)."""
+    code (test_guard.py: a guard checks and reports in Python eagerly, from a host callback under jit)."""
     seen: dict[str, int] = {}
     order: dict[tuple[str, str], int] = {}
     for item in items:

@@ -15,6 +15,10 @@ import gradkit as gk
 from meshes import make_mesh
 from gradkit._src.guard import audits as audits_mod
 
+# a guard runs different code eagerly (checks and reports in Python) and under jit (a host callback): every
+# test here keeps both modes in the default set (conftest.py)
+pytestmark = pytest.mark.both_modes
+
 
 def mlp_loss(params, x, y):
     h = jnp.tanh(x @ params["w1"] + params["b1"][None, :])
@@ -201,7 +205,6 @@ def test_fix_from_the_report_makes_the_guard_silent(spy):
     assert fixed.reports == [] and len(spy) == 1
 
 
-@pytest.mark.both_modes  # eager, the report is made in Python (an audit with no finding); jitted, by the callback
 def test_nonfinite_loss_alone_is_caught(maybe_jit):
     g = gk.guard(lambda w: jnp.sum(w) + jnp.log(0.0), on_nonfinite="report")
     loss, grad = maybe_jit(g)(jnp.ones(2))
@@ -245,7 +248,6 @@ def test_the_cap_audits_the_first_bad_calls_and_counts_the_rest(maybe_jit, mode,
     assert "repeats: 1 later audit(s)" in str(r)
 
 
-@pytest.mark.both_modes  # eager, the guard raises from Python; jitted, from its host callback past the cap
 def test_raise_mode_past_the_cap_raises_without_an_audit(maybe_jit, audits):
     g = gk.guard(log_loss, max_reports=1)
     step = maybe_jit(g)
