@@ -353,7 +353,7 @@ def test_order_2_verdict_is_the_float32_hessian_against_float64_differences(name
 
 
 @pytest.mark.slow
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150, deadline=None, derandomize=True)
 @given(name=NAMES, x=POINTS, order=hst.sampled_from([1, 1, 2]))
 def test_verdict_property_long(name, x, order):
     _check_verdict_matches(name, x, order)
