@@ -8,6 +8,8 @@ A test that takes the ``maybe_jit`` fixture (conftest.py) runs one of its two mo
 modes alternating from case to case in each file, and the other in the slow set.
 """
 
+import contextlib
+import gc
 import itertools
 
 import pytest
@@ -35,3 +37,24 @@ def in_mode(mode):
     import jax
 
     return jax.jit if mode == "jit" else (lambda f: f)
+
+
+@contextlib.contextmanager
+def checking_leaks():
+    """``jax.checking_leaks()`` at the cost of the objects made inside it.
+
+    JAX's leak check runs ``gc.collect()`` and ``gc.get_referrers`` each time a trace ends: both walk every
+    object the process holds, so late in a test run (hundreds of tests' programs alive) a leak-checked test
+    took 5x its time alone. ``gc.freeze()`` first puts what already exists out of the collector's sight;
+    every tracer is made inside the block, so a leaked one is still found (an object older than the block
+    that comes to hold a tracer keeps it alive, and it is reported).
+    """
+    import jax
+
+    gc.collect()
+    gc.freeze()
+    try:
+        with jax.checking_leaks():
+            yield
+    finally:
+        gc.unfreeze()

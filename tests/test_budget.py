@@ -74,3 +74,20 @@ def test_each_case_runs_one_mode_by_default_and_the_other_in_the_slow_set():
         assert sorted(len(it.marks) for it in pair) == [0, 1], key  # one in the default set, one slow
     default_a = {it.callspec.indices["maybe_jit"] for it in items if not it.marks and "test_a" in it.nodeid}
     assert default_a == {0, 1}, "a file runs both modes in the default set"
+
+
+_OLD_HOLDER = []  # made before any leak check: the case gc.freeze() hides from the collector
+
+
+@pytest.mark.parametrize("holder", ["new", "old"])
+def test_checking_leaks_still_finds_a_leaked_tracer(holder):
+    import jax
+    from budget import checking_leaks
+
+    kept = [] if holder == "new" else _OLD_HOLDER
+    with pytest.raises(Exception, match="Leaked"):
+        with checking_leaks():
+            jax.jit(lambda x: kept.append(x) or x * 2.0)(1.0)
+    kept.clear()
+    with checking_leaks():  # and nothing is reported without a leak
+        assert float(jax.jit(lambda x: x * 2.0)(1.0)) == 2.0

@@ -16,6 +16,7 @@ import pytest
 from jax import lax
 
 import gradkit as gk
+from budget import checking_leaks
 from meshes import make_mesh, mesh_backend, on_mesh_backend
 from gradkit._src import compat
 from gradkit._src.function_gradients import custom_gradient as cg_module
@@ -331,7 +332,7 @@ def test_closure_over_forward_values_under_transforms(maybe_jit):
         c, ys = lax.scan(lambda c, row: (c + m(row * c), m(row)), jnp.float32(1.0), x)
         return c + jnp.sum(ys)
 
-    with jax.checking_leaks():
+    with checking_leaks():
         np.testing.assert_allclose(maybe_jit(jax.vmap(jax.grad(take_max)))(xs), ref_rows, rtol=1e-6)
         g_scan = maybe_jit(jax.grad(scanned))(xs)
         g_remat = maybe_jit(jax.grad(jax.checkpoint(scanned)))(xs)
@@ -368,7 +369,7 @@ def test_closure_over_values_of_an_enclosing_trace(maybe_jit):
         def scanned(xs, mode=mode):
             return jnp.sum(lax.scan(lambda c, xi: (c + 1.0, make(c, mode)(xi)), jnp.float32(2.0), xs)[1])
 
-        with jax.checking_leaks():
+        with checking_leaks():
             g = maybe_jit(jax.grad(jax.checkpoint(scanned)))(jnp.array([1.0, 2.0, 3.0]))
         np.testing.assert_allclose(g, [1 / 2, 1 / 3, 1 / 4], rtol=1e-6)
 
