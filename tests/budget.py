@@ -58,3 +58,35 @@ def checking_leaks():
             yield
     finally:
         gc.unfreeze()
+
+
+def pairwise(**axes):
+    """Configurations (dicts) in which every pair of values of any two axes occurs at least once.
+
+    Deterministic greedy construction: each new configuration is grown one axis at a time, taking the value
+    that covers the most pairs not yet covered (ties: the value listed first). A random sample of the same
+    size usually misses pairs; this covers them all, in about as many configurations as the product of the
+    two largest axes.
+
+    >>> cfgs = pairwise(a=[0, 1, 2], b="xy", c=[False, True])
+    >>> len(cfgs), cfgs[0]
+    (6, {'a': 0, 'b': 'x', 'c': False})
+    """
+    names = list(axes)
+    values = [list(v) for v in axes.values()]
+    todo = {(i, a, j, b) for i, j in itertools.combinations(range(len(names)), 2)
+            for a in range(len(values[i])) for b in range(len(values[j]))}
+    out = []
+    while todo:
+        # seed the configuration with an uncovered pair (the first in a fixed order), then fill the other axes
+        i, a, j, b = min(todo)
+        pick = {i: a, j: b}
+        for k in range(len(names)):
+            if k in pick:
+                continue
+            gain = lambda v, k=k: sum((min(k, m), v if k < m else pick[m], max(k, m), pick[m] if k < m else v)
+                                      in todo for m in pick)
+            pick[k] = max(range(len(values[k])), key=lambda v: (gain(v), -v))
+        todo -= {(p, pick[p], q, pick[q]) for p, q in itertools.combinations(range(len(names)), 2)}
+        out.append({names[k]: values[k][pick[k]] for k in range(len(names))})
+    return out

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attn_models import ATTN, CP, PLAIN, Cfg, Hooks, init, inputs, model, reference
+from budget import pairwise
 
 import gradkit as gk
 
@@ -53,17 +54,18 @@ def compare(cfg: Cfg, seed: int, composite: Any, hooks: Hooks, *, jit: bool = Fa
 # --------------------------------------------------------------------------- tests
 
 
-def random_cfg(seed: int) -> tuple[Cfg, bool]:
-    """A small random configuration (and whether to jit): every attention form, mask, stacking and head layout."""
-    rng = np.random.default_rng(seed)
-    pick = lambda *xs: xs[int(rng.integers(len(xs)))]
-    style = pick("llama", "gpt2")
-    heads = pick(2, 4)
-    cfg = Cfg(d=8 * heads, heads=heads, kv_heads=pick(1, heads) if style == "llama" else heads,
-              ffn=int(pick(12, 20)), layers=int(pick(1, 2)), attention=pick("einsum", "matmul", "inline", "dpa"),
-              mask=pick("where", "add", "finfo"), style=style, stack=pick("loop", "scan", "remat"),
-              bias=bool(pick(False, True)))
-    return cfg, bool(pick(False, True))
+# Every pair of values of any two axes in some model (budget.pairwise: 16 models; 24 random ones missed pairs).
+RANDOM_MODELS = pairwise(layout=["llama", "llama-gqa", "gpt2"], heads=[2, 4], ffn=[12, 20], layers=[1, 2],
+                         attention=["einsum", "matmul", "inline", "dpa"], mask=["where", "add", "finfo"],
+                         stack=["loop", "scan", "remat"], bias=[False, True], jit=[False, True])
+
+
+def model_cfg(c: dict[str, Any]) -> Cfg:
+    """The model of one ``RANDOM_MODELS`` entry: LLaMA with all or one key/value head (grouped), or GPT-2."""
+    style = "gpt2" if c["layout"] == "gpt2" else "llama"
+    return Cfg(d=8 * c["heads"], heads=c["heads"], kv_heads=1 if c["layout"] == "llama-gqa" else c["heads"],
+               ffn=c["ffn"], layers=c["layers"], attention=c["attention"], mask=c["mask"], style=style,
+               stack=c["stack"], bias=c["bias"])
 
 
 def test_llama_block() -> None:
@@ -77,11 +79,11 @@ def test_gpt2_block() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", range(24))
+@pytest.mark.parametrize("seed", range(len(RANDOM_MODELS)))
 def test_random_models_match_the_hand_written_reference(seed: int) -> None:
-    cfg, jit = random_cfg(seed)  # the references compiled whole: eagerly, each of their operations compiles
-    compare(cfg, seed, ATTN_LRP, ATTN, jit=jit, jit_references=True)
-    compare(cfg, seed, CP_LRP, CP, jit=not jit, jit_references=True)
+    c = RANDOM_MODELS[seed]  # weights and inputs drawn from the seed; the references compiled whole
+    compare(model_cfg(c), seed, ATTN_LRP, ATTN, jit=c["jit"], jit_references=True)
+    compare(model_cfg(c), seed, CP_LRP, CP, jit=not c["jit"], jit_references=True)
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ import types
 
 import conftest
 import pytest
-from budget import covering
+from budget import covering, pairwise
 
 
 def _slow(param):
@@ -91,3 +91,16 @@ def test_checking_leaks_still_finds_a_leaked_tracer(holder):
     kept.clear()
     with checking_leaks():  # and nothing is reported without a leak
         assert float(jax.jit(lambda x: x * 2.0)(1.0)) == 2.0
+
+
+@pytest.mark.parametrize("sizes", [(2, 2), (3, 2, 2), (4, 3, 3, 2, 2, 2), (3, 2, 2, 2, 4, 3, 3, 2, 2)])
+def test_pairwise_covers_every_pair_of_values(sizes):
+    axes = {f"a{i}": [f"v{j}" for j in range(n)] for i, n in enumerate(sizes)}
+    cfgs = pairwise(**axes)
+    assert cfgs == pairwise(**axes)  # deterministic: a test id names the same model in every run
+    assert all(list(c) == list(axes) and all(c[k] in axes[k] for k in c) for c in cfgs)
+    for a, b in itertools.combinations(axes, 2):
+        missing = {(u, v) for u in axes[a] for v in axes[b]} - {(c[a], c[b]) for c in cfgs}
+        assert not missing, f"{a} x {b}: {sorted(missing)}"
+    big = sorted(sizes)[-2:]  # the two largest axes' pairs need that many configurations; greedy stays near it
+    assert big[0] * big[1] <= len(cfgs) <= 2 * big[0] * big[1]
