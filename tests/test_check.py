@@ -13,6 +13,7 @@ import gradkit as gk
 from gradkit._src.checks.check import check_grads
 from gradkit._src.checks.describe import fmt
 from gradkit._src.checks.fd import select_coords
+from budget import covering
 
 F32_TOL = math.sqrt(float(np.finfo(np.float32).eps))  # 3.45e-4: the default atol and rtol for float32
 
@@ -267,6 +268,56 @@ def test_huge_inputs_are_stepped_relative_and_swamped_elements_are_reported():
     assert "2 of 3 elements only checked to ±" in str(row)
 
 
+# ----------------------------------------------------------------------------- near a singularity or a kink
+
+# Smooth where they are checked, with a singularity or a kink at 0: a few steps (eps = 1e-4) from it, a central
+# difference's truncation error (about h²·f⁽³⁾/6) exceeds the tolerance although the derivative is right.
+NEAR_ZERO = {
+    "norm": lambda x: jnp.sqrt(jnp.sum(x**2)),
+    "reciprocal": lambda x: jnp.sum(1.0 / x),
+    "log": lambda x: jnp.sum(jnp.log(x)),
+    "sqrt": lambda x: jnp.sum(jnp.sqrt(x)),
+    "cbrt": lambda x: jnp.sum(jnp.cbrt(x)),
+    "abs": lambda x: jnp.sum(jnp.abs(x)),  # a kink: smooth on each side
+}
+
+
+def _scaled(f, factor):
+    """``f`` with every derivative multiplied by ``factor``: a wrong rule (its own derivative is scaled too)."""
+    g = jax.custom_jvp(f)
+    g.defjvp(lambda primals, tangents: (f(*primals), factor * jax.jvp(f, primals, tangents)[1]))
+    return g
+
+
+def _near_zero_point(distance, dtype):
+    u = np.random.RandomState(int(distance * 1e6)).uniform(1.0, 2.0, 3)
+    return jnp.asarray(distance * u * np.array([1.0, 1.3, 0.7]), dtype)
+
+
+# 20, 5 and 0.03 steps from 0; a covering half by default (every function, every distance), all in the slow set
+@pytest.mark.parametrize("name,distance", covering(sorted(NEAR_ZERO), [2e-3, 5e-4, 3e-6]))
+def test_a_right_derivative_near_a_singularity_passes_and_a_wrong_one_fails(name, distance):
+    f = NEAR_ZERO[name]
+    for dtype, order in ((jnp.float32, 1), (jnp.float32, 2), (jnp.float64, 1)):
+        if dtype == jnp.float32 and order == 2 and name == "norm" and distance < 1e-4:
+            continue  # its float32 Hessian cancels to ~1e-7·|H| in some elements: a true float32 error, not a step's
+        with jax.enable_x64(dtype == jnp.float64):
+            x = _near_zero_point(distance, dtype)
+            right = check_grads(f, (x,), order=order)
+            assert right.passed, f"{name} at {distance}, order {order}, {dtype.__name__}:\n{right}"
+            wrong = check_grads(_scaled(f, 1.01), (x,), order=order, modes=("rev",))
+            assert not wrong.passed, f"{name} at {distance}: a derivative 1% off passed:\n{wrong}"
+
+
+def test_a_kink_inside_the_smallest_step_still_fails():
+    # |x| at x = 1e-9, closer to its kink than the smallest step tried (1e-4 / 2^16): the differences never
+    # settle, nothing is refined, and autodiff's 1 is compared with the step's difference 1e-5 as before.
+    with jax.enable_x64(True):
+        x = jnp.array([1e-9], jnp.float64)
+        r = check_grads(lambda v: jnp.sum(jnp.abs(v)), (x,), order=1, modes=("rev",))
+    assert not r.passed and r.rows[0].numeric == pytest.approx(1e-5, rel=1e-3), str(r)
+
+
 # ----------------------------------------------------------------------------- property: the verdict is the truth
 
 F32 = np.float32
@@ -291,25 +342,35 @@ POINTS = hst.lists(ELEMENTS, min_size=1, max_size=4).map(lambda v: np.array(v, F
 
 def _oracle(f, x, order):
     """True when the derivative the user gets (``jax.jit`` at float32) is wrong: non-finite, or off from
-    float64 central differences (step max(1e-4, |x|·2^-30)) by more than sqrt(eps32)·(1 + |fd|) plus the
-    difference's own float64 rounding. Written plainly: one eager float64 evaluation per point."""
+    the float64 derivative by more than sqrt(eps32)·(1 + |fd|) plus the difference's own float64 rounding.
+    The derivative: a float64 central difference with a step 64 times finer than check_grads' first
+    (max(1e-4, |x|·2^-30) / 64), where one at twice that step agrees with it (else the point is not one this
+    test can settle: a kink or a singularity within the step). Written plainly: eager float64 evaluations."""
     grad = jax.grad(f)
     user = np.asarray(jax.jit(grad if order == 1 else jax.jacrev(grad))(jnp.asarray(x)), np.float64)
     with jax.enable_x64(True):
         g64 = f if order == 1 else (lambda v: jax.grad(f)(v))
         xs = x.astype(np.float64)
-        errs, allowed = [], []
-        for j in range(x.size):
-            h = max(1e-4, abs(xs[j]) * 2.0**-30)
+
+        def central(j, h):
             plus, minus = xs.copy(), xs.copy()
             plus[j] += h
             minus[j] -= h
             fp = np.atleast_1d(np.asarray(g64(jnp.asarray(plus)), np.float64))
             fm = np.atleast_1d(np.asarray(g64(jnp.asarray(minus)), np.float64))
             with np.errstate(invalid="ignore", over="ignore"):
-                fd = np.where(fp == fm, 0.0, fp - fm) / (plus[j] - minus[j])
                 mag = np.fmax(np.abs(fp), np.abs(fm))
                 noise = np.where(np.isfinite(mag), 64 * np.finfo(np.float64).eps * mag / h, 0.0)
+                return np.where(fp == fm, 0.0, fp - fm) / (plus[j] - minus[j]), noise
+
+        errs, allowed = [], []
+        for j in range(x.size):
+            h = max(1e-4, abs(xs[j]) * 2.0**-30) / 64
+            fd, noise = central(j, h)
+            coarse, coarse_noise = central(j, 2 * h)
+            with np.errstate(invalid="ignore", over="ignore"):
+                unsettled = np.abs(fd - coarse) > F32_TOL * (1 + np.abs(fd)) / 4 + noise + coarse_noise
+                assume(not np.any(unsettled & np.isfinite(fd) & np.isfinite(coarse)))
                 a = user[j] if order == 1 else user[:, j]
                 err = np.where((a == fd) | (np.isnan(a) & np.isnan(fd)), 0.0, np.abs(a - fd))
             errs.append(np.where(np.isnan(err), np.inf, err))
