@@ -382,7 +382,8 @@ def _check_one(h_t: Callable[[jax.Array], jax.Array], x_t: jax.Array, h64: Calla
         st, xs = step[cols] * s, xc[cols]
         with jax.enable_x64(True):
             ds = differences(_nested_jac(h64, mode, k - 1), x64, coords[cols], st)
-        return ds.central * (2 * st / ((xs + st) - (xs - st)))[None, :], _fd_noise(ds.magnitude, st[None, :])
+        rounding = np.broadcast_to(_fd_noise(ds.magnitude, st[None, :]), ds.central.shape)
+        return ds.central * (2 * st / ((xs + st) - (xs - st)))[None, :], rounding
 
     fd, noise = _refine(ad, fd, _fd_noise(d.magnitude, step[None, :]), atol, rtol, at_scale)
     c = _compare_arrays(ad, fd, atol, rtol, noise)
@@ -466,11 +467,14 @@ def _directional(fn: Callable[..., object], split: Split, dyn_t: Sequence[jax.Ar
         # the element-wise tolerance carried along the direction: atol per element of the derivative
         # becomes atol·|t| (·|v| in reverse mode), rtol·|J| becomes rtol·|J t| (or |t·(Jᵀv)|)
         size = float(np.sqrt(sum(np.sum(tj * tj) for tj in t)))
+        weights, spread = np.ones(1), 0.0
         if mode == "rev":
             ad = np.atleast_1d(np.sum(terms))
             size *= float(np.linalg.norm(v))
+            weights, spread = v.ravel(), float(np.linalg.norm(terms))  # |t·(Jᵀv)| term by term
 
-        def reference(s: float, F64: Callable[..., jax.Array] = F64) -> tuple[np.ndarray, np.ndarray]:
+        def reference(s: float, F64: Callable[..., jax.Array] = F64,
+                      weights: np.ndarray = weights) -> tuple[np.ndarray, np.ndarray]:
             """The float64 central difference along ``t`` with step ``s·eps``, and its rounding."""
             h = s * eps
             with jax.enable_x64(True):
@@ -480,20 +484,22 @@ def _directional(fn: Callable[..., object], split: Split, dyn_t: Sequence[jax.Ar
                 ref = np.where(plus == minus, 0.0, plus - minus) / (2 * h)
                 noise = _fd_noise(np.fmax(np.abs(plus), np.abs(minus)), h)
                 if mode == "rev":
-                    ref = np.atleast_1d(np.sum(v.ravel() * ref))
-                    noise = np.atleast_1d(np.sum(np.abs(v.ravel()) * noise))
+                    ref = np.atleast_1d(np.sum(weights * ref))
+                    noise = np.atleast_1d(np.sum(np.abs(weights) * noise))
             return np.ravel(ref), np.ravel(noise)
 
-        def cancellation(ref: np.ndarray) -> np.ndarray | float:
+        def cancellation(ref: np.ndarray, spread: float = spread) -> np.ndarray | float:
             """Reverse mode: ``rtol·(|t·(Jᵀv)| term by term − |<v, J t>|)``, what cancellation in the sum costs."""
-            if mode != "rev":
-                return 0.0
-            return rtol * np.maximum(0.0, float(np.linalg.norm(terms)) - np.abs(ref))
+            return rtol * np.maximum(0.0, spread - np.abs(ref)) if mode == "rev" else 0.0
 
         try:
             ref, noise = reference(1.0)
+            def column(s: float, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                r, n = reference(s)
+                return r.reshape(-1, 1), n.reshape(-1, 1)
+
             ref2, noise2 = _refine(ad.reshape(-1, 1), ref.reshape(-1, 1), (noise + cancellation(ref)).reshape(-1, 1),
-                                   atol * size, rtol, lambda s, cols: tuple(a.reshape(-1, 1) for a in reference(s)))
+                                   atol * size, rtol, column)
         except Exception as e:
             return mode, False, (f"order {k}: the float64 finite-difference reference failed: "
                                  f"{type(e).__name__}: {one_line(str(e), 1, 400)}")
