@@ -165,3 +165,33 @@ def test_a_function_that_needs_concrete_values_is_evaluated_point_by_point():
     w64, b64 = w.astype(np.float64), b.astype(np.float64)
     np.testing.assert_allclose(d[0].central, np.cos(w64) * b64, rtol=1e-6)
     np.testing.assert_allclose(d[1].central, np.sin(w64), rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_programs_run_once_compute_what_jit_computes(dtype):
+    # The audit compiles the programs it runs once without LLVM's optimisation passes (program.RUN_ONCE): the
+    # values and gradients of jax.jit's within a few roundings (a float32 sum here differs by 1 ULP: the passes
+    # vectorise reductions), and the same elements finite.
+    from gradkit._src.audit.program import gradient
+
+    k = jax.random.split(jax.random.key(3), 3)
+    x, w = jax.random.normal(k[0], (16, 24), dtype), jax.random.normal(k[1], (24, 24), dtype)
+    mask = jax.random.bernoulli(k[2], 0.8, (16, 24))
+
+    def attention_like(x, w):
+        s = jnp.where(mask, (x @ w) / 4.0, -1e4)
+        h = jax.nn.softmax(s, axis=-1) @ jnp.tanh(w) + jnp.log1p(jnp.exp(-jnp.abs(x)))
+        return [jnp.mean(h * jax.nn.gelu(x)), jnp.sum(jnp.sqrt(jnp.abs(h) + 1e-3) * jnp.sin(x))]
+
+    out, g = gradient(attention_like, [x, w])
+
+    def run(x, w):
+        o, vjp = jax.vjp(attention_like, x, w)
+        return o, vjp([jnp.ones_like(v) for v in o])
+
+    want_out, want_g = jax.jit(run)(x, w)
+    for got, want in zip([*out, *g], [*want_out, *want_g]):
+        want = np.asarray(want, np.float64)
+        np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=8 * float(jnp.finfo(dtype).eps),
+                                   atol=8 * float(jnp.finfo(dtype).eps) * float(np.max(np.abs(want))))
