@@ -73,8 +73,8 @@ _LEVELS = 16  # halvings of the step tried where a difference disagrees: down to
 
 def _refine(ad: np.ndarray, fd: np.ndarray, noise: np.ndarray | float, atol: float, rtol: float,
             at_scale: Callable[[float, np.ndarray], tuple[np.ndarray, np.ndarray]],
-            ) -> tuple[np.ndarray, np.ndarray]:
-    """``(fd, noise)`` with the step's truncation error taken out where ``ad`` and ``fd`` disagree.
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(fd, noise, refined)``: the step's truncation error taken out where ``ad`` and ``fd`` disagree.
 
     A central difference with step ``h`` is off from the derivative by about ``h²·f⁽³⁾/6``: near a
     singularity (a norm at ``|x| = 1e-3``, a reciprocal close to 0) that exceeds the tolerance while the
@@ -85,14 +85,16 @@ def _refine(ad: np.ndarray, fd: np.ndarray, noise: np.ndarray | float, atol: flo
     that step plus ``|R_k − R_(k−1)|``), tried only while that rounding is within the tolerance. An element
     whose estimates never settle (a kink or a singularity within the step) keeps its step-``h`` difference.
     A difference that is not finite (``log`` at ``x < h``: the step left the domain) is refined the same way.
-    Nothing is chosen by whether autodiff then agrees: a wrong derivative stays wrong.
+    Nothing is chosen by whether autodiff then agrees: a wrong derivative stays wrong. ``refined`` marks
+    the elements replaced.
     """
     noise = np.array(np.broadcast_to(np.asarray(noise, dtype=np.float64), np.shape(fd)))
     with np.errstate(invalid="ignore", over="ignore"):  # (a difference that is not finite: the step left the domain)
         pending = np.isfinite(ad) & ~(np.abs(ad - fd) <= atol + rtol * np.abs(fd) + noise)
     cols = np.flatnonzero(pending.any(axis=0))
+    refined = np.zeros(np.shape(fd), dtype=bool)
     if not len(cols):
-        return fd, noise
+        return fd, noise, refined
     fd = np.array(fd, dtype=np.float64)
     pending = pending[:, cols]
     d_prev, r_prev = fd[:, cols], None
@@ -107,12 +109,13 @@ def _refine(ad: np.ndarray, fd: np.ndarray, noise: np.ndarray | float, atol: flo
                 rows, at = np.nonzero(settled)
                 fd[rows, cols[at]] = r[rows, at]
                 noise[rows, cols[at]] = 1.5 * rounding[rows, at] + spread[rows, at]
+                refined[rows, cols[at]] = True
                 pending &= ~settled
             pending &= ~(1.5 * rounding > allowed)  # below this step, float64 rounding swamps the derivative
         if not pending.any():
             break
         d_prev, r_prev = d, r
-    return fd, noise
+    return fd, noise, refined
 
 
 # --------------------------------------------------------------------------- check_grads
@@ -385,7 +388,7 @@ def _check_one(h_t: Callable[[jax.Array], jax.Array], x_t: jax.Array, h64: Calla
         rounding = np.broadcast_to(_fd_noise(ds.magnitude, st[None, :]), ds.central.shape)
         return ds.central * (2 * st / ((xs + st) - (xs - st)))[None, :], rounding
 
-    fd, noise = _refine(ad, fd, _fd_noise(d.magnitude, step[None, :]), atol, rtol, at_scale)
+    fd, noise, _ = _refine(ad, fd, _fd_noise(d.magnitude, step[None, :]), atol, rtol, at_scale)
     c = _compare_arrays(ad, fd, atol, rtol, noise)
 
     def name(flat: int) -> str:
@@ -498,13 +501,13 @@ def _directional(fn: Callable[..., object], split: Split, dyn_t: Sequence[jax.Ar
                 r, n = reference(s)
                 return r.reshape(-1, 1), n.reshape(-1, 1)
 
-            ref2, noise2 = _refine(ad.reshape(-1, 1), ref.reshape(-1, 1), (noise + cancellation(ref)).reshape(-1, 1),
-                                   atol * size, rtol, column)
+            ref2, noise2, refined = _refine(ad.reshape(-1, 1), ref.reshape(-1, 1),
+                                            (noise + cancellation(ref)).reshape(-1, 1), atol * size, rtol, column)
         except Exception as e:
             return mode, False, (f"order {k}: the float64 finite-difference reference failed: "
                                  f"{type(e).__name__}: {one_line(str(e), 1, 400)}")
-        refined = ref2.ravel() != ref  # a refined element's noise is its rounding and spread: add the cancellation
-        ref, noise = ref2.ravel(), np.where(refined, noise2.ravel() + cancellation(ref2.ravel()), noise2.ravel())
+        ref = ref2.ravel()  # a refined element's noise is its rounding and spread: add the cancellation
+        noise = np.where(refined.ravel(), noise2.ravel() + cancellation(ref), noise2.ravel())
         c = _compare_arrays(ad, ref, atol * size, rtol, noise)
         if not c.passed:
             where = "<v, J t>" if mode == "rev" else f"element {c.worst}"
